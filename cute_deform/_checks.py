@@ -1,0 +1,183 @@
+"""Input validation shared by the op's kernels, its fake implementation, the drop-in API and the reference.
+
+Every error names the argument and what was expected. Checks that need the *values* of
+spatial_shapes / level_start_index (S == sum(H*W), the level starts) run only when those
+tensors live on the CPU: reading a CUDA tensor would be a host sync on the hot path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# What the op computes with (fp32 arithmetic); the reference also takes float64.
+OP_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REFERENCE_FLOAT_DTYPES = (torch.float64,) + OP_FLOAT_DTYPES
+INDEX_DTYPE = torch.int64
+
+OP_NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
+# Argument names of Deformable DETR's MSDeformAttnFunction.apply, used by the drop-in function.
+DROP_IN_NAMES = (
+    "value",
+    "value_spatial_shapes",
+    "value_level_start_index",
+    "sampling_locations",
+    "attention_weights",
+)
+
+
+@dataclass(frozen=True)
+class MSDAShape:
+    """Sizes of one MSDA call, read off validated inputs."""
+
+    batch: int  # N
+    num_keys: int  # S = sum over levels of H*W
+    num_heads: int  # M
+    head_dim: int  # D
+    num_queries: int  # Lq
+    num_levels: int  # L
+    num_points: int  # P
+
+    @property
+    def output_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.num_queries, self.num_heads * self.head_dim)
+
+    @property
+    def output_is_empty(self) -> bool:
+        return self.batch * self.num_queries * self.num_heads * self.head_dim == 0
+
+    @property
+    def sums_nothing(self) -> bool:
+        """No level or no point: every output is an empty sum, i.e. 0."""
+        return self.num_levels == 0 or self.num_points == 0
+
+
+def _fmt_shape(t: torch.Tensor) -> str:
+    return str(tuple(int(s) for s in t.shape))
+
+
+def _check_tensor(t, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"cute_deform: {name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_rank(t: torch.Tensor, name: str, layout: str) -> None:
+    ndim = len([part for part in layout.strip("()").split(",") if part.strip()])
+    if t.dim() != ndim:
+        raise ValueError(
+            f"cute_deform: {name}: expected {ndim} dims {layout}, got {t.dim()} dims with shape {_fmt_shape(t)}"
+        )
+
+
+def _check_dtype(t: torch.Tensor, name: str, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"cute_deform: {name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def _check_size(got, want, name: str, what: str, dim: int, t: torch.Tensor, source: str) -> None:
+    if got != want:
+        raise ValueError(
+            f"cute_deform: {name}: expected dim {dim} ({what}) to be {want} as in {source}, "
+            f"got {got} (shape {_fmt_shape(t)})"
+        )
+
+
+def check_inputs(
+    value,
+    spatial_shapes,
+    level_start_index,
+    sampling_locations,
+    attention_weights,
+    *,
+    float_dtypes: tuple[torch.dtype, ...] = OP_FLOAT_DTYPES,
+    names: tuple[str, str, str, str, str] = OP_NAMES,
+    check_values: bool = True,
+) -> MSDAShape:
+    """Validate MSDA inputs and return their sizes; raise TypeError / ValueError naming the argument.
+
+    Layouts: value (N, S, M, D); spatial_shapes (L, 2) int64 as (H, W); level_start_index (L,) int64;
+    sampling_locations (N, Lq, M, L, P, 2) as (x, y); attention_weights (N, Lq, M, L, P).
+
+    Devices: value, sampling_locations and attention_weights share one device. spatial_shapes and
+    level_start_index are on that device too, or on the CPU (then their values are checked for free).
+
+    check_values=False skips the checks that read spatial_shapes / level_start_index (fake tensors,
+    tracing). They are skipped anyway for tensors that are not on the CPU.
+    """
+    n_value, n_shapes, n_starts, n_loc, n_attn = names
+    tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    for t, name in zip(tensors, names):
+        _check_tensor(t, name)
+
+    _check_rank(value, n_value, "(N, S, M, D)")
+    _check_rank(spatial_shapes, n_shapes, "(L, 2)")
+    _check_rank(level_start_index, n_starts, "(L,)")
+    _check_rank(sampling_locations, n_loc, "(N, Lq, M, L, P, 2)")
+    _check_rank(attention_weights, n_attn, "(N, Lq, M, L, P)")
+    if spatial_shapes.shape[1] != 2:
+        raise ValueError(
+            f"cute_deform: {n_shapes}: expected shape (L, 2) holding (H, W) per level, got {_fmt_shape(spatial_shapes)}"
+        )
+    if sampling_locations.shape[-1] != 2:
+        raise ValueError(
+            f"cute_deform: {n_loc}: expected last dim 2 holding (x, y), got shape {_fmt_shape(sampling_locations)}"
+        )
+
+    _check_dtype(value, n_value, float_dtypes)
+    _check_dtype(spatial_shapes, n_shapes, (INDEX_DTYPE,))
+    _check_dtype(level_start_index, n_starts, (INDEX_DTYPE,))
+    _check_dtype(sampling_locations, n_loc, float_dtypes)
+    _check_dtype(attention_weights, n_attn, float_dtypes)
+
+    device = value.device
+    for t, name in ((sampling_locations, n_loc), (attention_weights, n_attn)):
+        if t.device != device:
+            raise ValueError(f"cute_deform: {name}: expected device {device} (the device of {n_value}), got {t.device}")
+    for t, name in ((spatial_shapes, n_shapes), (level_start_index, n_starts)):
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(
+                f"cute_deform: {name}: expected device {device} (the device of {n_value}) or cpu, got {t.device}"
+            )
+
+    batch, num_keys, num_heads, head_dim = value.shape
+    num_queries = sampling_locations.shape[1]
+    num_levels = spatial_shapes.shape[0]
+    num_points = sampling_locations.shape[4]
+    _check_size(sampling_locations.shape[0], batch, n_loc, "N, batch", 0, sampling_locations, n_value)
+    _check_size(sampling_locations.shape[2], num_heads, n_loc, "M, heads", 2, sampling_locations, n_value)
+    _check_size(sampling_locations.shape[3], num_levels, n_loc, "L, levels", 3, sampling_locations, n_shapes)
+    _check_size(level_start_index.shape[0], num_levels, n_starts, "L, levels", 0, level_start_index, n_shapes)
+    _check_size(attention_weights.shape[0], batch, n_attn, "N, batch", 0, attention_weights, n_value)
+    _check_size(attention_weights.shape[1], num_queries, n_attn, "Lq, queries", 1, attention_weights, n_loc)
+    _check_size(attention_weights.shape[2], num_heads, n_attn, "M, heads", 2, attention_weights, n_value)
+    _check_size(attention_weights.shape[3], num_levels, n_attn, "L, levels", 3, attention_weights, n_shapes)
+    _check_size(attention_weights.shape[4], num_points, n_attn, "P, points", 4, attention_weights, n_loc)
+
+    if check_values and spatial_shapes.device.type == "cpu":
+        _check_level_values(spatial_shapes, level_start_index, num_keys, names)
+
+    return MSDAShape(batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
+
+
+def _check_level_values(spatial_shapes, level_start_index, num_keys, names) -> None:
+    """Checks that read the level table; only called for CPU tensors (no host sync)."""
+    n_value, n_shapes, n_starts = names[:3]
+    shapes = spatial_shapes.tolist()
+    for level, (height, width) in enumerate(shapes):
+        if height < 1 or width < 1:
+            raise ValueError(f"cute_deform: {n_shapes}: expected every (H, W) >= 1, got ({height}, {width}) at level {level}")
+    pixels = [h * w for h, w in shapes]
+    if sum(pixels) != num_keys:
+        raise ValueError(
+            f"cute_deform: {n_value}: expected dim 1 (S) to be sum(H*W) = {sum(pixels)} over {n_shapes} {shapes}, "
+            f"got {num_keys}"
+        )
+    if level_start_index.device.type == "cpu":
+        # The levels are stored back to back: start of level l = sum of H*W over the levels before it.
+        expected = [sum(pixels[:level]) for level in range(len(pixels))]
+        got = level_start_index.tolist()
+        if got != expected:
+            raise ValueError(
+                f"cute_deform: {n_starts}: expected the running sum of H*W over {n_shapes}, {expected}, got {got}"
+            )
