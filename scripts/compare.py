@@ -1,0 +1,509 @@
+#!/usr/bin/env python3
+"""Multi-Scale Deformable Attention forward, side by side: the CUDA C++ baselines in kernels/ and cute_deform.
+
+Every implementation is first checked against a float64 reference (relative Frobenius error, output poisoned
+with NaN before the run), then timed with triton.testing.do_bench (median after warm-up). A mismatch or a failed
+run is reported and the script exits non-zero. The table is printed last.
+
+    python scripts/compare.py                                   # all presets, fp16 value, fp32 locations
+    python scripts/compare.py --presets dcnv4-test --dtype bf16 --impls classic,vec,tma
+    python scripts/compare.py --levels 64x64,32x32 --N 2 --Lq 5120 --P 4 --locations uniform
+    python scripts/compare.py --presets detr-encoder --ncu tma   # dram / l1tex / sm throughput of one kernel
+    python scripts/compare.py --csv results/compare.csv --png results/compare.png
+
+Implementations: classic-fp32 (classic on an fp32 copy of value: the paper's kernel at fp32, the speed anchor of
+issue 3), classic, vec, tile2x2, tma, distributed (kernels/), cute (torch.ops.cute_deform.forward) and
+grid_sample (F.grid_sample in fp32, pure PyTorch).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
+
+PRESETS = {
+    "dcnv4-test": dict(N=1, Lq=15200, levels=[(100, 152), (50, 76), (25, 38), (13, 19)], P=8, locations="local"),
+    "detr-encoder": dict(N=2, Lq=None, levels=[(100, 167), (50, 84), (25, 42), (13, 21)], P=4, locations="local"),
+    "detr-decoder": dict(N=8, Lq=900, levels=[(100, 167), (50, 84), (25, 42), (13, 21)], P=4, locations="uniform"),
+    "seed-b48": dict(N=48, Lq=15422, levels=[(92, 160), (46, 80), (23, 40), (12, 20)], P=8, locations="local"),
+}
+ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "cute", "grid_sample")
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+NCU_METRICS = [
+    "gpu__time_duration.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+]
+GRID_SAMPLE_MAX_BYTES = 8 << 30  # its (N*M, D, Lq, P) fp32 intermediate per level; larger presets skip it
+
+
+@dataclass
+class Shape:
+    name: str
+    N: int
+    Lq: int
+    levels: list
+    P: int
+    M: int
+    D: int
+    locations: str
+
+    @property
+    def S(self) -> int:
+        return sum(h * w for h, w in self.levels)
+
+    @property
+    def L(self) -> int:
+        return len(self.levels)
+
+    @property
+    def samples(self) -> int:
+        return self.N * self.Lq * self.M * self.L * self.P
+
+    def floor_bytes(self, value_bytes: int) -> int:
+        """Each input read once and the output written once: value, fp32 locations and weights, output."""
+        value = self.N * self.S * self.M * self.D * value_bytes
+        locations = self.samples * 2 * 4
+        weights = self.samples * 4
+        out = self.N * self.Lq * self.M * self.D * value_bytes
+        return value + locations + weights + out
+
+    def describe(self) -> str:
+        lv = ",".join(f"{h}x{w}" for h, w in self.levels)
+        return (f"{self.name}: N={self.N} Lq={self.Lq} S={self.S} levels={lv} M={self.M} D={self.D} P={self.P} "
+                f"locations={self.locations}")
+
+
+@dataclass
+class Row:
+    preset: str
+    impl: str
+    dtype: str
+    status: str = "ok"  # ok | MISMATCH | FAILED | skipped
+    rel_err: float = float("nan")
+    bound: float = float("nan")
+    us: float = float("nan")
+    speedup_classic: float = float("nan")
+    speedup_classic_fp32: float = float("nan")
+    gsamples: float = float("nan")
+    tbs: float = float("nan")
+    floor_us: float = float("nan")
+    note: str = ""
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="all", help=f"comma list of {','.join(PRESETS)} or 'all'")
+    p.add_argument("--levels", help="custom shape: levels as HxW,HxW,... (adds a 'custom' preset and drops the rest "
+                   "unless --presets is given too)")
+    p.add_argument("--N", type=int, default=1, help="custom: batch")
+    p.add_argument("--Lq", type=int, default=None, help="custom: queries (default S)")
+    p.add_argument("--P", type=int, default=4, help="custom: points per level")
+    p.add_argument("--M", type=int, default=8, help="heads (all presets use 8)")
+    p.add_argument("--D", type=int, default=32, help="channels per head (all presets use 32)")
+    p.add_argument("--locations", choices=("local", "uniform"), default=None,
+                   help="sampling locations: local = a few pixels around each query's own pixel (encoder-like), "
+                        "uniform = uniform in [0,1]; default: uniform for detr-decoder, local otherwise")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16", help="value dtype (locations are fp32)")
+    p.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma list of " + ",".join(ALL_IMPLS))
+    p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
+    p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
+    p.add_argument("--check-samples", type=float, default=16e6,
+                   help="float64 check on the first images of the batch, up to this many samples (at least 1 image)")
+    p.add_argument("--cluster-size", type=int, default=0, help="distributed: CTAs per cluster (0 = auto)")
+    p.add_argument("--csv", help="write the results table as CSV here")
+    p.add_argument("--png", help="write a bar chart (matplotlib) here")
+    p.add_argument("--ncu", metavar="IMPL", help="profile one implementation with ncu (dram, l1tex, sm throughput) "
+                   "on each selected preset instead of the comparison")
+    p.add_argument("--ncu-child", metavar="IMPL", help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    return p.parse_args(argv)
+
+
+def selected_shapes(args) -> list[Shape]:
+    shapes = []
+    names = [] if (args.levels and args.presets == "all") else (
+        list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",") if n.strip()])
+    for name in names:
+        if name not in PRESETS:
+            sys.exit(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        cfg = PRESETS[name]
+        levels = list(cfg["levels"])
+        S = sum(h * w for h, w in levels)
+        shapes.append(Shape(name, cfg["N"], cfg["Lq"] or S, levels, cfg["P"], args.M, args.D,
+                            args.locations or cfg["locations"]))
+    if args.levels:
+        levels = [tuple(int(v) for v in lv.lower().split("x")) for lv in args.levels.split(",")]
+        S = sum(h * w for h, w in levels)
+        shapes.append(Shape("custom", args.N, args.Lq or S, levels, args.P, args.M, args.D,
+                            args.locations or "local"))
+    return shapes
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, generator: torch.Generator, device="cuda"):
+    """Fresh random inputs: value ~ N(0,1); attention weights softmax-normalised over (level, point); locations
+    'local' (around the query's own pixel of the multi-level map, sigma 2 pixels of each level, so some fall
+    outside [0,1]) or 'uniform' in [0,1]."""
+    N, Lq, M, D, L, P = shape.N, shape.Lq, shape.M, shape.D, shape.L, shape.P
+    spatial_shapes = torch.tensor(shape.levels, dtype=torch.int64, device=device)
+    areas = spatial_shapes[:, 0] * spatial_shapes[:, 1]
+    level_start_index = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    value = torch.randn(N, shape.S, M, D, device=device, generator=generator).to(dtype)
+    if shape.locations == "uniform":
+        loc = torch.rand(N, Lq, M, L, P, 2, device=device, generator=generator)
+    else:
+        pixel = torch.arange(Lq, device=device) % shape.S  # each query owns one pixel of the multi-level map
+        level_of = torch.searchsorted(level_start_index, pixel, right=True) - 1
+        within = pixel - level_start_index[level_of]
+        Hq, Wq = spatial_shapes[level_of, 0], spatial_shapes[level_of, 1]
+        ref_x = ((within % Wq).float() + 0.5) / Wq
+        ref_y = ((within // Wq).float() + 0.5) / Hq
+        sizes = spatial_shapes.flip(-1).float()  # (L, 2) as (W, H), matching (x, y)
+        offsets = torch.randn(N, Lq, M, L, P, 2, device=device, generator=generator) * 2.0
+        loc = torch.stack([ref_x, ref_y], -1).view(1, Lq, 1, 1, 1, 2) + offsets / sizes.view(1, 1, 1, L, 1, 2)
+        del offsets
+    logits = torch.randn(N, Lq, M, L * P, device=device, generator=generator)
+    attn = torch.softmax(logits, -1).view(N, Lq, M, L, P).contiguous()
+    return value, spatial_shapes, level_start_index, loc.contiguous(), attn
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second of a large device-to-device copy (the DRAM ceiling we compare with)."""
+    import triton.testing
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def cute_forward():
+    """torch.ops.cute_deform.forward, or (None, reason)."""
+    repo = str(baselines.REPO)
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    try:
+        import cute_deform  # noqa: F401  (registers torch.ops.cute_deform)
+        op = torch.ops.cute_deform.forward
+    except Exception as exc:  # ImportError, AttributeError from torch.ops, ...
+        return None, f"cute_deform unavailable: {type(exc).__name__}: {str(exc)[:160]}"
+    return op, ""
+
+
+class Impl:
+    """One implementation bound to one set of inputs: run() writes into self.out (poisonable) or returns a tensor."""
+
+    def __init__(self, name, run, out, value_dtype, poisonable=True, note=""):
+        self.name, self._run, self.out, self.value_dtype = name, run, out, value_dtype
+        self.poisonable, self.note = poisonable, note
+
+    def __call__(self):
+        return self._run()
+
+
+def bind_impls(names, ext, ext_error, inputs, shape: Shape, args):
+    """Impl objects, or (name, reason) for those that cannot run here."""
+    value, spatial_shapes, level_start_index, loc, attn = inputs
+    out_shape = (shape.N, shape.Lq, shape.M * shape.D)
+    bound, skipped = [], []
+    value32 = None
+    for name in names:
+        if name in ("classic-fp32", "grid_sample") and value32 is None:
+            value32 = value.float()
+        if name in baselines.KERNEL_IMPLS or name == "classic-fp32":
+            if ext is None:
+                skipped.append((name, f"FAILED: baselines did not build: {ext_error}"))
+                continue
+            kernel = "classic" if name == "classic-fp32" else name
+            v = value32 if name == "classic-fp32" else value
+            out = torch.empty(out_shape, dtype=v.dtype, device="cuda")
+            launch = baselines.launcher(ext, kernel, v, spatial_shapes, level_start_index, loc, attn,
+                                        cluster_size=args.cluster_size)
+            bound.append(Impl(name, (lambda launch=launch, out=out: launch(out)), out, v.dtype))
+        elif name == "cute":
+            op, why = cute_forward()
+            if op is None:
+                skipped.append((name, why))
+                continue
+            bound.append(Impl(name, lambda op=op: op(value, spatial_shapes, level_start_index, loc, attn), None,
+                              value.dtype, poisonable=False, note="allocates its output: checked for NaN, not poisoned"))
+        elif name == "grid_sample":
+            per_level = shape.N * shape.M * shape.D * shape.Lq * shape.P * 4
+            if per_level > GRID_SAMPLE_MAX_BYTES:
+                skipped.append((name, f"skipped: {per_level / 2**30:.1f} GiB intermediate per level"))
+                continue
+            out = torch.empty(out_shape, dtype=torch.float32, device="cuda")
+
+            def run_grid_sample(out=out):
+                out.copy_(baselines.grid_sample_forward(value32, spatial_shapes, level_start_index, loc, attn,
+                                                        compute_dtype=torch.float32))
+            bound.append(Impl(name, run_grid_sample, out, torch.float32, note="pure PyTorch, fp32 copy of value"))
+        else:
+            sys.exit(f"unknown implementation {name!r}; choose from {', '.join(ALL_IMPLS)}")
+    return bound, skipped
+
+
+def check_impl(impl: Impl, ref: torch.Tensor, n_check: int):
+    """Poison, run once, check every element was written (no NaN anywhere) and the relative error on the
+    checked images. Returns (rel_err, note)."""
+    if impl.poisonable:
+        impl.out.fill_(float("nan"))
+        impl()
+        out = impl.out
+    else:
+        out = impl()
+    torch.cuda.synchronize()
+    finite = torch.isfinite(out).all().item()
+    if not finite:
+        return float("inf"), "non-finite values in the output (unwritten or NaN)"
+    return baselines.relative_error(out[:n_check], ref), ""
+
+
+def time_impl(impl: Impl, args) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(impl, warmup=args.warmup, rep=args.rep, return_mode="median") * 1e3
+
+
+def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> list[Row]:
+    dtype = DTYPES[args.dtype]
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = make_inputs(shape, dtype, generator)
+    value, spatial_shapes, level_start_index, loc, attn = inputs
+    per_image = shape.samples // shape.N
+    n_check = max(1, min(shape.N, int(args.check_samples // per_image)))
+    t0 = time.time()
+    ref, ref_source = baselines.reference_forward(value[:n_check], spatial_shapes, level_start_index,
+                                                  loc[:n_check], attn[:n_check])
+    ref_note = f"reference: {ref_source}, images 0..{n_check - 1} of {shape.N}, {time.time() - t0:.1f} s"
+    if ref_source == "cute_deform.reference":  # cross-check the package's reference against grid_sample
+        alt = baselines.grid_sample_forward(value[:n_check], spatial_shapes, level_start_index, loc[:n_check],
+                                            attn[:n_check])
+        ref_note += f"; vs grid_sample float64: {baselines.relative_error(alt, ref):.2e}"
+        del alt
+    torch.cuda.synchronize()
+    print(f"[{shape.name}] seed {seed}; {ref_note}", flush=True)
+
+    bound, skipped = bind_impls(names, ext, ext_error, inputs, shape, args)
+    rows = []
+    for name, why in skipped:
+        rows.append(Row(shape.name, name, args.dtype, status="FAILED" if why.startswith("FAILED") else "skipped",
+                        note=why))
+        progress.update(1)
+    for impl in bound:
+        value_bytes = torch.empty(0, dtype=impl.value_dtype).element_size()
+        row = Row(shape.name, impl.name, str(impl.value_dtype).replace("torch.", ""), note=impl.note)
+        row.bound = baselines.ERROR_BOUND[impl.value_dtype]
+        progress.set_postfix_str(f"{shape.name} {impl.name}")
+        try:
+            row.rel_err, why = check_impl(impl, ref, n_check)
+            if why or not (row.rel_err <= row.bound):
+                row.status = "MISMATCH"
+                row.note = why or f"rel err {row.rel_err:.3e} > bound {row.bound:g}"
+            else:
+                row.us = time_impl(impl, args)
+                row.gsamples = shape.samples / row.us * 1e-3
+                floor_bytes = shape.floor_bytes(value_bytes)
+                row.tbs = floor_bytes / row.us * 1e-6
+                row.floor_us = floor_bytes / copy_bw * 1e6
+        except Exception as exc:
+            row.status = "FAILED"
+            row.note = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+            torch.cuda.synchronize()
+        rows.append(row)
+        progress.update(1)
+    classic = {r.impl: r.us for r in rows if r.impl in ("classic", "classic-fp32") and r.status == "ok"}
+    for r in rows:
+        if r.status == "ok":
+            r.speedup_classic = classic.get("classic", float("nan")) / r.us
+            r.speedup_classic_fp32 = classic.get("classic-fp32", float("nan")) / r.us
+    del inputs, value, loc, attn, ref, bound
+    torch.cuda.empty_cache()
+    return rows
+
+
+def fmt(v, spec):
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def print_table(rows: list[Row], header: str):
+    cols = ["preset", "impl", "value", "status", "rel err", "µs", "x classic", "x cl-fp32", "Gsamp/s", "TB/s",
+            "floor µs"]
+    table = [[r.preset, r.impl, r.dtype, r.status, fmt(r.rel_err, ".2e"), fmt(r.us, ".1f"),
+              fmt(r.speedup_classic, ".2f"), fmt(r.speedup_classic_fp32, ".2f"), fmt(r.gsamples, ".2f"),
+              fmt(r.tbs, ".3f"), fmt(r.floor_us, ".1f")] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    line = lambda vals: "  ".join(v.rjust(w) if i >= 4 else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
+    notes = [f"  {r.preset}/{r.impl}: {r.note}" for r in rows if r.note]
+    if notes:
+        print("notes:")
+        print("\n".join(notes))
+    print(header)
+    print(line(cols))
+    print(line(["-" * w for w in widths]))
+    prev = None
+    for r, t in zip(rows, table):
+        if prev is not None and r.preset != prev:
+            print()
+        prev = r.preset
+        print(line(t))
+
+
+def write_csv(rows: list[Row], path: str):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["preset", "impl", "value_dtype", "status", "rel_err", "bound", "us", "speedup_vs_classic",
+                    "speedup_vs_classic_fp32", "gsamples_per_s", "tb_per_s", "dram_floor_us", "note"])
+        for r in rows:
+            w.writerow([r.preset, r.impl, r.dtype, r.status, r.rel_err, r.bound, r.us, r.speedup_classic,
+                        r.speedup_classic_fp32, r.gsamples, r.tbs, r.floor_us, r.note])
+
+
+def write_png(rows: list[Row], path: str, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 4.2), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        ok = [r for r in rows if r.preset == preset and r.status == "ok"]
+        names = [r.impl for r in ok]
+        times = [r.us for r in ok]
+        bars = ax.bar(range(len(ok)), times, color=["#4c72b0" if n != "cute" else "#dd8452" for n in names])
+        floor = next((r.floor_us for r in ok if r.impl not in ("classic-fp32", "grid_sample")), None)
+        if floor:
+            ax.axhline(floor, color="k", ls="--", lw=1, label=f"DRAM floor {floor:.0f} µs")
+            ax.legend(fontsize=8)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(ok)))
+        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(preset, fontsize=10)
+        ax.set_ylabel("µs (median, log)")
+        for b, t in zip(bars, times):
+            ax.text(b.get_x() + b.get_width() / 2, t, f"{t:.0f}", ha="center", va="bottom", fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def strip_option(argv, option):
+    """argv without `option VALUE` / `option=VALUE`."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == option:
+            skip = True
+        elif not a.startswith(option + "="):
+            out.append(a)
+    return out
+
+
+def ncu_parent(args, argv):
+    """Re-run this script under ncu with --ncu-child; only the kernels between cudaProfilerStart/Stop count."""
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(NCU_METRICS),
+           sys.executable, os.path.abspath(__file__)] + strip_option(argv, "--ncu") + [
+              "--ncu-child", args.ncu, "--no-progress"]
+    print("running:", " ".join(cmd), flush=True)
+    return subprocess.call(cmd)
+
+
+def ncu_child(args, shapes, ext):
+    dtype = DTYPES[args.dtype]
+    for shape in shapes:
+        generator = torch.Generator(device="cuda").manual_seed(args.seed or 0)
+        inputs = make_inputs(shape, dtype, generator)
+        bound, skipped = bind_impls([args.ncu_child], ext, None, inputs, shape, args)
+        if skipped:
+            print(f"[{shape.name}] {args.ncu_child}: {skipped[0][1]}")
+            continue
+        impl = bound[0]
+        impl()
+        impl()  # warm: compiles, caches, tensor maps
+        torch.cuda.synchronize()
+        print(f"[{shape.name}] profiling {impl.name}: {shape.describe()}", flush=True)
+        torch.cuda.cudart().cudaProfilerStart()
+        impl()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.ncu:
+        return ncu_parent(args, argv)
+    shapes = selected_shapes(args)
+    names = [n.strip() for n in args.impls.split(",") if n.strip()]
+    for n in names:
+        if n not in ALL_IMPLS:
+            sys.exit(f"unknown implementation {n!r}; choose from {', '.join(ALL_IMPLS)}")
+    if not torch.cuda.is_available():
+        sys.exit("compare.py needs a CUDA GPU (sm_90 for tma and distributed)")
+    ext, ext_error = None, None
+    needs_ext = any(n in baselines.KERNEL_IMPLS or n == "classic-fp32" for n in names + [args.ncu_child or ""])
+    if needs_ext:
+        try:
+            ext = baselines.build(progress=not args.no_progress)
+        except Exception as exc:
+            ext_error = f"{type(exc).__name__}: {str(exc)[-400:]}"
+            print(f"baselines build failed: {ext_error}", file=sys.stderr)
+    if args.ncu_child:
+        return ncu_child(args, shapes, ext)
+
+    from tqdm import tqdm
+
+    props = torch.cuda.get_device_properties(0)
+    copy_bw = copy_bandwidth()
+    header = (f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}; value {args.dtype}, "
+              f"locations fp32; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write); do_bench median")
+    print(header, flush=True)
+    if ext is not None:
+        print(f"baselines: {ext.__file__} (build or cache load {ext.build_seconds:.1f} s)")
+    for s in shapes:
+        print(" ", s.describe())
+    rows = []
+    with tqdm(total=len(shapes) * len(names), desc="compare", disable=args.no_progress, file=sys.stderr) as progress:
+        for shape in shapes:
+            rows += run_preset(shape, args, ext, ext_error, copy_bw, names, progress)
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv}")
+    if args.png:
+        write_png(rows, args.png, header)
+        print(f"wrote {args.png}")
+    print_table(rows, header)
+    bad = [r for r in rows if r.status in ("MISMATCH", "FAILED")]
+    if bad:
+        print(f"\n{len(bad)} implementation(s) failed the check or the run: "
+              + ", ".join(f"{r.preset}/{r.impl} ({r.status})" for r in bad))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
