@@ -73,7 +73,7 @@ class KernelConfig:
     num_levels: int
     num_points: int
     head_dim: int
-    num_stages: int = 8
+    num_stages: int = 6
 
     @property
     def itemsize(self) -> int:
@@ -113,6 +113,7 @@ class MSDAForward:
         self.T = config.threads_per_query
         self.G = config.queries_per_tile
         self.stages = config.num_stages
+        self.boxes_per_lane = (self.G + 31) // 32
         self.producer_warp = CONSUMER_WARPS
         self.threads = (CONSUMER_WARPS + 1) * 32
 
@@ -244,23 +245,23 @@ class MSDAForward:
             for level in cutlass.range_constexpr(self.L):
                 H, W = self.level_size(mShapes, level)
                 desc = manager.get_tensormap_ptr(mDesc[bidx, level, None].iterator, cutlass.AddressSpace.generic)
-                for point in cutlass.range(self.P, unroll=1):
+                # One vector load of all points of this level per query, so that the location latency
+                # is paid once per level, not once per stage.
+                corners = []
+                for j in cutlass.range_constexpr(self.boxes_per_lane):
+                    q = q0 + lane + 32 * j
+                    locs = self.level_locations(mLoc, n, cutlass.min(q, Lq - 1), m, level)
+                    for point in cutlass.range_constexpr(self.P):
+                        _, x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+                        outside = q >= Lq
+                        corners.append((cutlass.select_(outside, -2, x0), cutlass.select_(outside, -2, y0)))
+                for point in cutlass.range_constexpr(self.P):
                     pipe.producer_acquire(state)
                     bar = pipe.producer_get_barrier(state)
-                    for j in cutlass.range_constexpr((self.G + 31) // 32):
+                    for j in cutlass.range_constexpr(self.boxes_per_lane):
                         slot = lane + 32 * j
                         if slot < self.G:
-                            q = q0 + slot
-                            x0 = cutlass.Int32(-2)
-                            y0 = cutlass.Int32(-2)
-                            if q < Lq:
-                                x = cutlass.Float32(mLoc[n, q, m, level, point, 0])
-                                y = cutlass.Float32(mLoc[n, q, m, level, point, 1])
-                                w = x * cutlass.Float32(W) - 0.5
-                                h = y * cutlass.Float32(H) - 0.5
-                                if h > -1.0 and h < cutlass.Float32(H) and w > -1.0 and w < cutlass.Float32(W):
-                                    x0 = cutlass.Int32(cute.math.floor(w))
-                                    y0 = cutlass.Int32(cute.math.floor(h))
+                            x0, y0 = corners[j * self.P + point]
                             dst = sBoxes[None, state.index].iterator + slot * (4 * D)
                             prims.cp_async_bulk_tensor_shared_cta_global(
                                 dst, desc, [cutlass.Int32(0), m, x0, y0, n], bar
@@ -268,6 +269,45 @@ class MSDAForward:
                     state.advance()
             tile += cute.arch.grid_dim()[0]
         pipe.producer_tail(state)
+
+    @cute.jit
+    def level_locations(self, mLoc, n, q, m, level: int):
+        """All (x, y) of one query, head and level as a register vector of 2P fp32."""
+        src = cute.make_tensor(mLoc[n, q, m, level, None, None].iterator, cute.make_layout(2 * self.P))
+        return src.load().to(cutlass.Float32)
+
+    @cute.jit
+    def footprint(self, x, y, H, W):
+        """Sample position in pixels and the top-left corner of its 2x2 footprint.
+
+        A sample outside (-1, H) x (-1, W), or NaN, gets the corner (-2, -2): a box wholly outside the
+        level, which TMA fills with zeros; its weights are zeroed too, so nothing leaks in."""
+        w = x * cutlass.Float32(W) - 0.5
+        h = y * cutlass.Float32(H) - 0.5
+        inside = h > -1.0 and h < cutlass.Float32(H) and w > -1.0 and w < cutlass.Float32(W)
+        x0 = cutlass.Int32(-2)
+        y0 = cutlass.Int32(-2)
+        if inside:
+            x0 = cutlass.Int32(cute.math.floor(w))
+            y0 = cutlass.Int32(cute.math.floor(h))
+        return (h, w, inside), x0, y0
+
+    @cute.jit
+    def corner_weights(self, x, y, a, H, W):
+        """Bilinear weights of the four corners times the attention weight; all zero outside."""
+        (h, w, inside), _, _ = self.footprint(x, y, H, W)
+        lw = w - cute.math.floor(w)
+        lh = h - cute.math.floor(h)
+        w00 = cutlass.Float32(0.0)
+        w01 = cutlass.Float32(0.0)
+        w10 = cutlass.Float32(0.0)
+        w11 = cutlass.Float32(0.0)
+        if inside:
+            w00 = (1.0 - lh) * (1.0 - lw) * a
+            w01 = (1.0 - lh) * lw * a
+            w10 = lh * (1.0 - lw) * a
+            w11 = lh * lw * a
+        return w00, w01, w10, w11
 
     @cute.jit
     def consumer(self, mShapes, mLoc, mAttn, mOut, pipe, sBoxes, tidx, bidx, num_tiles):
@@ -285,26 +325,11 @@ class MSDAForward:
             acc.fill(0.0)
             for level in cutlass.range_constexpr(self.L):
                 H, W = self.level_size(mShapes, level)
-                Hf = cutlass.Float32(H)
-                Wf = cutlass.Float32(W)
-                for point in cutlass.range(self.P, unroll=1):
-                    x = cutlass.Float32(mLoc[n, qc, m, level, point, 0])
-                    y = cutlass.Float32(mLoc[n, qc, m, level, point, 1])
-                    a = cutlass.Float32(mAttn[n, qc, m, level, point])
-                    w = x * Wf - 0.5
-                    h = y * Hf - 0.5
-                    lw = w - cute.math.floor(w)
-                    lh = h - cute.math.floor(h)
-                    inside = h > -1.0 and h < Hf and w > -1.0 and w < Wf
-                    w00 = cutlass.Float32(0.0)
-                    w01 = cutlass.Float32(0.0)
-                    w10 = cutlass.Float32(0.0)
-                    w11 = cutlass.Float32(0.0)
-                    if inside:
-                        w00 = (1.0 - lh) * (1.0 - lw) * a
-                        w01 = (1.0 - lh) * lw * a
-                        w10 = lh * (1.0 - lw) * a
-                        w11 = lh * lw * a
+                locs = self.level_locations(mLoc, n, qc, m, level)
+                attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P)).load()
+                attn = attn.to(cutlass.Float32)
+                for point in cutlass.range_constexpr(self.P):
+                    w00, w01, w10, w11 = self.corner_weights(locs[2 * point], locs[2 * point + 1], attn[point], H, W)
                     pipe.consumer_wait(state)
                     base = sBoxes[None, state.index].iterator + slot * (4 * D) + chunk * C
                     v00 = cute.make_tensor(base, cute.make_layout(C)).load().to(cutlass.Float32)
@@ -337,8 +362,8 @@ def _sym_fake_tensors(cfg: KernelConfig):
         row_major(vdt, (n, s, M, D), 16),
         row_major(cutlass.Int64, (L, 2)),
         row_major(cutlass.Int64, (L,)),
-        row_major(ldt, (n, lq, M, L, P, 2)),
-        row_major(adt, (n, lq, M, L, P)),
+        row_major(ldt, (n, lq, M, L, P, 2), 16),
+        row_major(adt, (n, lq, M, L, P), 16),
         row_major(vdt, (n, lq, M, D), 16),
         row_major(cutlass.Int64, (grid, L, 16), 128),
     )
@@ -356,7 +381,8 @@ def compile_kernel(cfg: KernelConfig):
     return fn
 
 
-CTAS_PER_SM = 3
+CTAS_PER_SM = 4
+NUM_STAGES = 6
 _sm_count: dict = {}
 
 
@@ -374,7 +400,7 @@ def config_for(value, sampling_locations, attention_weights) -> KernelConfig:
         value_dtype=_TORCH_TO_NAME[value.dtype],
         loc_dtype=_TORCH_TO_NAME[sampling_locations.dtype],
         attn_dtype=_TORCH_TO_NAME[attention_weights.dtype],
-        num_heads=M, num_levels=L, num_points=P, head_dim=D,
+        num_heads=M, num_levels=L, num_points=P, head_dim=D, num_stages=NUM_STAGES,
     )
 
 
@@ -401,8 +427,8 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
         _aligned(value),
         spatial_shapes.to(device=device, dtype=torch.int64).contiguous(),
         level_start_index.to(device=device, dtype=torch.int64).contiguous(),
-        sampling_locations.contiguous(),
-        attention_weights.contiguous(),
+        _aligned(sampling_locations),
+        _aligned(attention_weights),
         out.view(N, Lq, M, D),
         desc,
         grid,

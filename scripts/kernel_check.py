@@ -130,9 +130,13 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="dcnv4-test,detr-encoder,detr-decoder,seed-b48")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--sweep", default="6x4", help="comma list of STAGESxCTAS_PER_SM")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
     torch.manual_seed(0)
     fails = 0 if args.skip_correctness else correctness()
-    bench([n for n in args.presets.split(",") if n])
+    for stages, ctas in [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",")]:
+        msda_fwd.NUM_STAGES, msda_fwd.CTAS_PER_SM = stages, ctas
+        print(f"\n== {stages} stages, {ctas} CTAs per SM")
+        bench([n for n in args.presets.split(",") if n])
     sys.exit(1 if fails else 0)
