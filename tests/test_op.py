@@ -1,0 +1,123 @@
+"""torch.ops.cute_deform.forward and the drop-in API on the CPU: values in every dtype combination,
+any sizes, layouts, empty inputs, opcheck and torch.compile."""
+import itertools
+
+import pytest
+import torch
+
+import cute_deform
+from cute_deform import MSDeformAttnFunction, ms_deform_attn, ms_deform_attn_reference
+from msda_testing import make_inputs, rel_err, strided_copies
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+# The float64 reference sees the same rounded inputs, so what is left is fp32 arithmetic and, for
+# fp16/bf16 values, the rounding of the output (at most eps/2 per element).
+TOLERANCE = {torch.float32: 1e-6, torch.float16: torch.finfo(torch.float16).eps, torch.bfloat16: torch.finfo(torch.bfloat16).eps}
+LEVELS = [(7, 9), (4, 5), (2, 3), (1, 1)]
+
+
+@pytest.mark.parametrize(
+    "value_dtype,loc_dtype,attn_dtype", list(itertools.product(FLOATS, repeat=3)), ids=lambda d: str(d)[6:]
+)
+def test_op_matches_float64_reference(gen, value_dtype, loc_dtype, attn_dtype):
+    args = make_inputs(gen, LEVELS, batch=2, queries=9, heads=3, head_dim=8, points=3,
+                       dtype=value_dtype, loc_dtype=loc_dtype, attn_dtype=attn_dtype)
+    out = torch.ops.cute_deform.forward(*args)
+    assert out.dtype == value_dtype and out.shape == (2, 9, 3 * 8) and out.device.type == "cpu"
+    ref = ms_deform_attn_reference(*args, out_dtype=torch.float64)
+    assert rel_err(out, ref) < TOLERANCE[value_dtype]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_op_any_sizes(gen, case):
+    """Random L, P, M, D, N, Lq and level sizes, including H or W == 1, single levels/points/heads."""
+    def pick(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    levels = [(pick(1, 9), pick(1, 9)) for _ in range(pick(1, 5))]
+    sizes = dict(batch=pick(1, 3), queries=pick(1, 12), heads=pick(1, 4), head_dim=pick(1, 33), points=pick(1, 9))
+    args = make_inputs(gen, levels, dtype=torch.float32, **sizes)
+    out = torch.ops.cute_deform.forward(*args)
+    ref = ms_deform_attn_reference(*args, out_dtype=torch.float64)
+    assert out.shape == (sizes["batch"], sizes["queries"], sizes["heads"] * sizes["head_dim"])
+    assert rel_err(out, ref) < 1e-6, f"levels {levels}, sizes {sizes}"
+
+
+def test_op_accepts_non_contiguous_inputs(gen):
+    args = make_inputs(gen, LEVELS[:2], batch=2, queries=5, heads=2, head_dim=8, points=2, dtype=torch.float32)
+    strided = strided_copies(*args)
+    assert not any(t.is_contiguous() for t in strided)
+    assert torch.equal(torch.ops.cute_deform.forward(*strided), torch.ops.cute_deform.forward(*args))
+
+
+def test_im2col_step_is_ignored(gen):
+    """Any batch size works with any im2col_step (the original required N % im2col_step == 0)."""
+    args = make_inputs(gen, LEVELS, batch=3, queries=4, heads=2, head_dim=4, points=2, dtype=torch.float32)
+    outs = [torch.ops.cute_deform.forward(*args, step) for step in (64, 1, 2, 5)]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert rel_err(outs[0], ms_deform_attn_reference(*args)) < 1e-6
+
+
+@pytest.mark.parametrize("batch,queries", [(0, 5), (2, 0), (0, 0)])
+def test_empty_batch_or_queries(gen, batch, queries):
+    args = make_inputs(gen, LEVELS, batch=batch, queries=queries, heads=3, head_dim=4, dtype=torch.bfloat16)
+    out = torch.ops.cute_deform.forward(*args)
+    assert out.shape == (batch, queries, 12) and out.dtype == torch.bfloat16
+    assert ms_deform_attn(*args).shape == (batch, queries, 12)
+
+
+def test_no_points_or_no_levels_gives_zeros(gen):
+    no_points = make_inputs(gen, LEVELS, batch=2, queries=3, heads=2, head_dim=4, points=0, dtype=torch.float32)
+    no_levels = make_inputs(gen, [], batch=2, queries=3, heads=2, head_dim=4, points=2, dtype=torch.float32)
+    for args in (no_points, no_levels):
+        out = torch.ops.cute_deform.forward(*args)
+        assert out.shape == (2, 3, 8) and torch.equal(out, torch.zeros_like(out))
+
+
+def test_drop_in_function_and_apply_match_the_op(gen):
+    args = make_inputs(gen, LEVELS, batch=2, queries=6, heads=2, head_dim=8, points=4, dtype=torch.float16,
+                       loc_dtype=torch.float32, attn_dtype=torch.float32)
+    out = torch.ops.cute_deform.forward(*args)
+    assert torch.equal(ms_deform_attn(*args), out)
+    assert torch.equal(ms_deform_attn(*args, im2col_step=3), out)
+    assert torch.equal(MSDeformAttnFunction.apply(*args, 64), out)
+
+
+def test_backward_is_refused(gen):
+    """Forward only: backpropagating through the op raises instead of returning wrong gradients."""
+    value, *rest = make_inputs(gen, LEVELS, dtype=torch.float32)
+    value.requires_grad_(True)
+    out = torch.ops.cute_deform.forward(value, *rest)
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.sum().backward()
+
+
+OPCHECK_CASES = {
+    "fp32": dict(dtype=torch.float32),
+    "fp16-bf16-fp32": dict(dtype=torch.float16, loc_dtype=torch.bfloat16, attn_dtype=torch.float32),
+    "bf16-single-pixel": dict(dtype=torch.bfloat16, levels=[(1, 1)], points=1),
+    "empty-batch": dict(dtype=torch.float32, batch=0),
+}
+
+
+@pytest.mark.parametrize("case", OPCHECK_CASES, ids=str)
+def test_opcheck(gen, case):
+    kwargs = dict(OPCHECK_CASES[case])
+    levels = kwargs.pop("levels", LEVELS)
+    args = make_inputs(gen, levels, **{"batch": 2, "queries": 5, "heads": 2, "head_dim": 8, **kwargs})
+    torch.library.opcheck(torch.ops.cute_deform.forward.default, args)
+    torch.library.opcheck(torch.ops.cute_deform.forward.default, args, {"im2col_step": 2})
+
+
+def test_torch_compile_fullgraph(gen):
+    def step(value, shapes, starts, loc, attn):
+        out = cute_deform.ms_deform_attn(value, shapes, starts, loc, attn)
+        return out * 2 + 1  # work around the op, so the graph is more than one call
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for queries in (5, 8):  # two sizes through one dynamic-shape graph: exercises the fake impl symbolically
+        args = make_inputs(gen, LEVELS, batch=2, queries=queries, heads=2, head_dim=8, points=3, dtype=torch.float32)
+        out = compiled(*args)
+        assert out.shape == (2, queries, 16)
+        torch.testing.assert_close(out, step(*args), rtol=1e-6, atol=1e-6)
+        assert rel_err(out, ms_deform_attn_reference(*args) * 2 + 1) < 1e-6
