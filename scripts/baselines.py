@@ -17,7 +17,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[1]
 KERNELS = REPO / "kernels"
 BUILD_DIR = REPO / "build" / "msda_baselines"
-NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo", "-std=c++17"]
+NVCC_FLAGS = ["-O3", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo"]  # -std comes from torch
 
 # Implementations backed by kernels/ (cute and grid_sample live in compare.py).
 KERNEL_IMPLS = ("classic", "vec", "tile2x2", "tma", "distributed")
@@ -134,8 +134,8 @@ def reference_forward(value, spatial_shapes, level_start_index, sampling_locatio
     ref_fn = package_reference()
     if ref_fn is not None:
         out = ref_fn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                     compute_dtype=torch.float64)
-        return out.to(torch.float64), "cute_deform.reference"
+                     compute_dtype=torch.float64, out_dtype=torch.float64)
+        return out, "cute_deform.reference"
     out = grid_sample_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return out, "grid_sample float64 (cute_deform.reference not importable)"
 

@@ -205,6 +205,12 @@ def cute_forward():
         op = torch.ops.cute_deform.forward
     except Exception as exc:  # ImportError, AttributeError from torch.ops, ...
         return None, f"cute_deform unavailable: {type(exc).__name__}: {str(exc)[:160]}"
+    # Without its kernel the op falls back to grid_sample: that must not be timed under the name cute.
+    unavailable = getattr(getattr(cute_deform, "op", None), "kernel_unavailable_reason", None)
+    if unavailable is not None:
+        reason = unavailable(torch.cuda.current_device())
+        if reason:
+            return None, f"the CuTe kernel is unavailable ({reason[:160]}); the op would take its slow path"
     return op, ""
 
 
