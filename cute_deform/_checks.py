@@ -105,6 +105,15 @@ def check_inputs(
     check_values=False skips the checks that read spatial_shapes / level_start_index (fake tensors,
     tracing). They are skipped anyway for tensors that are not on the CPU.
     """
+    if _well_formed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes):
+        # Fast path (a few microseconds on the hot path); the detailed checks below only run to
+        # explain a failure, and stay the single source of truth for what is accepted.
+        batch, num_keys, num_heads, head_dim = value.shape
+        _, num_queries, _, num_levels, num_points, _ = sampling_locations.shape
+        if check_values and spatial_shapes.device.type == "cpu":
+            _check_level_values(spatial_shapes, level_start_index, num_keys, names)
+        return MSDAShape(batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
+
     n_value, n_shapes, n_starts, n_loc, n_attn = names
     tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     for t, name in zip(tensors, names):
@@ -158,6 +167,38 @@ def check_inputs(
         _check_level_values(spatial_shapes, level_start_index, num_keys, names)
 
     return MSDAShape(batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
+
+
+def _well_formed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes) -> bool:
+    """Everything check_inputs verifies short of the level values, in one expression."""
+    tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    if (value.dim(), spatial_shapes.dim(), level_start_index.dim(), sampling_locations.dim(), attention_weights.dim()) != (
+        4, 2, 1, 6, 5,
+    ):
+        return False
+    device = value.device
+    N, _, M, _ = value.shape
+    L = spatial_shapes.shape[0]
+    return (
+        value.dtype in float_dtypes
+        and sampling_locations.dtype in float_dtypes
+        and attention_weights.dtype in float_dtypes
+        and spatial_shapes.dtype == INDEX_DTYPE
+        and level_start_index.dtype == INDEX_DTYPE
+        and sampling_locations.device == device
+        and attention_weights.device == device
+        and (spatial_shapes.device == device or spatial_shapes.device.type == "cpu")
+        and (level_start_index.device == device or level_start_index.device.type == "cpu")
+        and spatial_shapes.shape[1] == 2
+        and level_start_index.shape[0] == L
+        and sampling_locations.shape[0] == N
+        and sampling_locations.shape[2] == M
+        and sampling_locations.shape[3] == L
+        and sampling_locations.shape[5] == 2
+        and attention_weights.shape == sampling_locations.shape[:5]
+    )
 
 
 def _check_level_values(spatial_shapes, level_start_index, num_keys, names) -> None:
