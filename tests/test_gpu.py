@@ -67,3 +67,10 @@ def test_reference_memory_is_bounded_on_the_largest_preset(gen):
     out = ms_deform_attn_reference(*args, out_dtype=torch.float64)
     assert out.shape == (48, 15422, 256) and torch.isfinite(out).all()
     assert torch.cuda.max_memory_allocated() - before < 12 * 2**30
+
+
+@pytest.mark.skipif(not msda_fwd.available(), reason="the CuTe kernel is not available yet")
+def test_unsupported_head_dim_is_a_clear_error(gen):
+    args = on_cuda(make_inputs(gen, [(8, 8)], head_dim=3, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"value:.*\b3\b"):
+        torch.ops.cute_deform.forward(*args)

@@ -121,3 +121,29 @@ def test_torch_compile_fullgraph(gen):
         assert out.shape == (2, queries, 16)
         torch.testing.assert_close(out, step(*args), rtol=1e-6, atol=1e-6)
         assert rel_err(out, ms_deform_attn_reference(*args) * 2 + 1) < 1e-6
+
+
+def test_kernel_dispatch_decision(monkeypatch):
+    """The CUDA kernel runs only on capability (9, 0) with the kernel module available; any other
+    device gets a reason, which the op's slower path puts in its warning."""
+    from cute_deform import msda_fwd, op
+
+    for capability in [(8, 0), (8, 9), (9, 0), (10, 0)]:
+        op.kernel_unavailable_reason.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        reason = op.kernel_unavailable_reason(0)
+        if capability == (9, 0):
+            assert (reason is None) == msda_fwd.available()
+        else:
+            assert f"cuda:0 is sm_{capability[0]}{capability[1]}" in reason
+    op.kernel_unavailable_reason.cache_clear()
+
+
+def test_slow_path_warns_once(monkeypatch):
+    from cute_deform import op
+
+    monkeypatch.setattr(op, "_warned_slow_path", False)
+    with pytest.warns(cute_deform.SlowPathWarning, match="sm_80.*slower pure-PyTorch path") as record:
+        op._warn_slow_path("the CuTe kernel targets sm_90 (Hopper) and cuda:0 is sm_80")
+        op._warn_slow_path("the CuTe kernel targets sm_90 (Hopper) and cuda:0 is sm_80")
+    assert len(record) == 1
