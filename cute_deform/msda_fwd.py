@@ -33,6 +33,7 @@ except Exception as exc:  # the package works without the DSL, through the refer
     _DSL_ERROR = exc
 
 CONSUMER_WARPS = 4
+STAGE_BOX_PIXELS = 64  # pixels per TMA box when staging a whole level
 TENSORMAP_BYTES = 128
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128)
 MAX_LEVELS = 5
@@ -73,7 +74,10 @@ class KernelConfig:
     num_levels: int
     num_points: int
     head_dim: int
-    num_stages: int = 6
+    num_stages: int = 6  # ring stages per group
+    num_groups: int = 2  # producer warp + consumer warpgroup pairs per CTA, sharing the staged levels
+    stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 sends every level through boxes
+    cluster_size: int = 1  # 2: CTA pairs split each (image, head) and multicast the staged levels
 
     @property
     def itemsize(self) -> int:
@@ -95,27 +99,46 @@ class KernelConfig:
     def box_bytes(self) -> int:
         return 4 * self.head_dim * self.itemsize
 
+    @property
+    def stage_pixels(self) -> int:
+        """Pixels of one head that the staging buffer holds, in whole staging boxes."""
+        px = self.stage_bytes // (self.head_dim * self.itemsize)
+        return px // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+
+    @property
+    def smem_bytes(self) -> int:
+        ring = self.num_groups * self.num_stages * self.queries_per_tile * self.box_bytes
+        staged = (self.stage_pixels + 1) * self.head_dim * self.itemsize
+        return ring + staged + 2 * self.num_levels * TENSORMAP_BYTES + 1024
+
 
 def _dsl_dtype(name: str):
     return {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
 
 
 class MSDAForward:
-    """The kernel for one KernelConfig: producer warp + CONSUMER_WARPS consumer warps per CTA."""
+    """The kernel for one KernelConfig.
+
+    A CTA owns a contiguous range of tiles (G queries of one image and head). Within a run of tiles of
+    one (image, head), a *segment*, the coarse levels that fit are staged whole in shared memory and
+    sampled from there; the other levels go through per-sample TMA boxes. Each group (one producer
+    warp, four consumer warps, its own ring) takes every num_groups-th tile of the segment.
+    """
 
     def __init__(self, config: KernelConfig):
         self.cfg = config
         self.value_dtype = _dsl_dtype(config.value_dtype)
-        self.loc_dtype = _dsl_dtype(config.loc_dtype)
-        self.attn_dtype = _dsl_dtype(config.attn_dtype)
         self.M, self.L, self.P, self.D = config.num_heads, config.num_levels, config.num_points, config.head_dim
         self.C = config.channels_per_thread
         self.T = config.threads_per_query
         self.G = config.queries_per_tile
         self.stages = config.num_stages
+        self.groups = config.num_groups
+        self.cluster = config.cluster_size
+        self.stage_pixels = config.stage_pixels
         self.boxes_per_lane = (self.G + 31) // 32
-        self.producer_warp = CONSUMER_WARPS
-        self.threads = (CONSUMER_WARPS + 1) * 32
+        self.consumer_threads = CONSUMER_WARPS * 32
+        self.threads = self.groups * (CONSUMER_WARPS + 1) * 32
 
     @cute.jit
     def __call__(
@@ -126,38 +149,49 @@ class MSDAForward:
         mLoc: cute.Tensor,  # (N, Lq, M, L, P, 2)
         mAttn: cute.Tensor,  # (N, Lq, M, L, P)
         mOut: cute.Tensor,  # (N, Lq, M, D)
-        mDesc: cute.Tensor,  # (grid, L, 16) int64: per-CTA tensor-map slots
+        mDesc: cute.Tensor,  # (grid, 2L, 16) int64: per-CTA tensor-map slots
         grid_size: cutlass.Int32,
         stream,
     ):
         N, S = mValue.shape[0], mValue.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
-        # Template map over one level viewed as (D, M, W, H, N), innermost first, box (D, 1, 2, 2, 1).
-        # W, H, the H stride and the base address are placeholders: each CTA writes the real ones
-        # of every level on the device, so the host never reads spatial_shapes.
-        template = tensor_map.create_tensor_map_tiled(
+        # Templates over one level; the level's base address and size are placeholders that every CTA
+        # patches on the device, so the host never reads spatial_shapes.
+        # Footprint boxes: the level as (D, M, W, H, N), innermost first, box (D, 1, 2, 2, 1).
+        box_template = tensor_map.create_tensor_map_tiled(
             global_address=mValue.iterator.toint(),
             dtype=self.value_dtype,
             global_dims=[D, M, 2, 2, N],
             global_strides=[D * e // 16, M * D * e // 16, 2 * M * D * e // 16, S * (M * D * e // 16)],
             box_dims=[D, 1, 2, 2, 1],
         )
+        # Staging boxes: the level as (D, M, H*W, N), box (D, 1, STAGE_BOX_PIXELS, 1).
+        stage_template = tensor_map.create_tensor_map_tiled(
+            global_address=mValue.iterator.toint(),
+            dtype=self.value_dtype,
+            global_dims=[D, M, STAGE_BOX_PIXELS, N],
+            global_strides=[D * e // 16, M * D * e // 16, S * (M * D * e // 16)],
+            box_dims=[D, 1, STAGE_BOX_PIXELS, 1],
+        )
 
         @cute.struct
         class SharedStorage:
-            full: cute.struct.MemRange[cutlass.Int64, self.stages]
-            empty: cute.struct.MemRange[cutlass.Int64, self.stages]
-            desc: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * self.L], 128]
-            boxes: cute.struct.Align[
-                cute.struct.MemRange[self.value_dtype, self.stages * self.G * 4 * D], 128
+            ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
+            staged_full: cute.struct.MemRange[cutlass.Int64, 2]
+            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L], 128]
+            ring: cute.struct.Align[
+                cute.struct.MemRange[self.value_dtype, self.groups * self.stages * self.G * 4 * D], 128
             ]
+            staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
 
         self.shared_storage = SharedStorage
         Lq = mLoc.shape[1]
-        num_tiles = N * M * ((Lq + self.G - 1) // self.G)
-        self.kernel(template, mValue, mShapes, mStarts, mLoc, mAttn, mOut, mDesc, num_tiles).launch(
+        num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
+        self.kernel(box_template, stage_template, mValue, mShapes, mStarts, mLoc, mAttn, mOut, mDesc,
+                    num_tiles).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
+            cluster=[self.cluster, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
@@ -165,7 +199,8 @@ class MSDAForward:
     @cute.kernel
     def kernel(
         self,
-        template: cutlass.GridConstant[tensor_map.TensorMap],
+        box_template: cutlass.GridConstant[tensor_map.TensorMap],
+        stage_template: cutlass.GridConstant[tensor_map.TensorMap],
         mValue: cute.Tensor,
         mShapes: cute.Tensor,
         mStarts: cute.Tensor,
@@ -173,102 +208,224 @@ class MSDAForward:
         mAttn: cute.Tensor,
         mOut: cute.Tensor,
         mDesc: cute.Tensor,
-        num_tiles: cutlass.Int32,
+        num_tiles: cutlass.Int64,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        D = self.D
+        sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
 
-        pipe = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.full.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_WARPS),
-            tx_count=self.G * self.cfg.box_bytes,
-        )
-        sBoxes = storage.boxes.get_tensor(cute.make_layout((self.G * 4 * self.D, self.stages)))
-
-        if warp == self.producer_warp:
-            self.producer(template, mValue, mShapes, mStarts, mLoc, mDesc, storage, pipe, sBoxes, bidx, num_tiles)
+        staged_full = storage.staged_full.data_ptr()
+        if warp == 0:
+            with cute.arch.elect_one():
+                for i in cutlass.range_constexpr(self.groups * self.stages):
+                    cute.arch.mbarrier_init(self.full_barrier(storage, 0, 0) + i, 1)
+                    cute.arch.mbarrier_init(self.empty_barrier(storage, 0, 0) + i, CONSUMER_WARPS)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(staged_full, 1)
+        # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
+        if tidx < D:
+            sStaged[self.stage_pixels * D + tidx] = self.value_dtype(0.0)
+        cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
         else:
-            self.consumer(mShapes, mLoc, mAttn, mOut, pipe, sBoxes, tidx, bidx, num_tiles)
+            cute.arch.barrier()
 
-    @cute.jit
-    def tile_coords(self, tile: cutlass.Int32, Lq: cutlass.Int32):
-        """Tile -> (image, head, first query). Query blocks vary fastest so that concurrent tiles share a head."""
-        blocks = (Lq + self.G - 1) // self.G
-        qb = tile % blocks
-        nm = tile // blocks
-        return nm // self.M, nm % self.M, qb * self.G
+        # Which levels are staged, and where: coarsest first while they fit. Every thread computes the
+        # same from spatial_shapes.
+        sizes = [self.level_size(mShapes, level) for level in range(self.L)]
+        staged = [cutlass.Boolean(False)] * self.L
+        offsets = [cutlass.Int32(0)] * self.L
+        used = cutlass.Int32(0)
+        for level in cutlass.range_constexpr(self.L - 1, -1, -1):
+            H, W = sizes[level]
+            px = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+            fits = used + px <= self.stage_pixels
+            staged[level] = fits
+            offsets[level] = used
+            used = used + cutlass.select_(fits, px, 0)
+
+        # Tiles of this CTA (or cluster): a contiguous range, so that most of it shares one (image, head).
+        Lq = mLoc.shape[1]
+        cluster_id = cutlass.Int64(bidx // self.cluster)
+        clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
+        t_begin = cluster_id * num_tiles // clusters
+        t_end = (cluster_id + 1) * num_tiles // clusters
+        blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
+        rank = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster > 1):
+            rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
+        work = (sizes, staged, offsets, used, t_begin, t_end, blocks, rank)
+
+        consumer_warps = self.groups * CONSUMER_WARPS
+        if warp >= consumer_warps:
+            g = warp - consumer_warps
+            self.producer(g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage,
+                          staged_full, work, bidx)
+        else:
+            g = warp // CONSUMER_WARPS
+            self.consumer(g, mLoc, mAttn, mOut, storage, sStaged, staged_full, work,
+                          tidx - g * self.consumer_threads)
 
     @cute.jit
     def level_size(self, mShapes: cute.Tensor, level: int):
         return cutlass.Int32(mShapes[level, 0]), cutlass.Int32(mShapes[level, 1])
 
     @cute.jit
-    def producer(self, template, mValue, mShapes, mStarts, mLoc, mDesc, storage, pipe, sBoxes, bidx, num_tiles):
+    def segment_sync(self):
+        """Everyone is done with the staged levels of the last segment (in both CTAs of a cluster)."""
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+
+    @cute.jit
+    def publish_map(self, template, slot, mDesc, sMaps, bidx, patch):
+        """Copy a template tensor map to shared memory, patch it, and publish it to this CTA's global
+        slot with a proxy fence: the TMA unit reads maps through the tensormap proxy."""
+        lane = cute.arch.lane_idx()
+        words = cutlass.Pointer(template.get_ptr(), dtype=cutlass.Int64)
+        if lane < 16:
+            sMaps[lane, slot] = (words + lane).load()
+        cute.arch.sync_warp()
+        smem_map = cutlass.Pointer(sMaps[None, slot].iterator.llvm_ptr, dtype=cutlass.Int64)
+        with cute.arch.elect_one():
+            for field, value, ordinal in patch:
+                if cutlass.const_expr(ordinal is None):
+                    prims.tensormap_replace(field, smem_map, new_value=value)
+                else:
+                    prims.tensormap_replace(field, smem_map, new_value=value, ord=ordinal)
+        cute.arch.sync_warp()
+        gmem_map = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES).get_tensormap_ptr(
+            mDesc[bidx, slot, None].iterator)
+        cpasync.cp_fence_tma_desc_release(gmem_map, sMaps[None, slot].iterator)
+        cpasync.fence_tma_desc_acquire(gmem_map)
+        return TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES).get_tensormap_ptr(
+            mDesc[bidx, slot, None].iterator, cutlass.AddressSpace.generic)
+
+    @cute.jit
+    def producer(self, g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage, staged_full,
+                 work, bidx):
+        sizes, staged, offsets, used, t_begin, t_end, blocks, rank = work
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
-        manager = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES)
-        template_words = cutlass.Pointer(template.get_ptr(), dtype=cutlass.Int64)
-        sDesc = storage.desc.get_tensor(cute.make_layout((16, self.L)))
+        sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L)))
+        sRing = storage.ring.get_tensor(cute.make_layout((self.G * 4 * D, self.stages, self.groups)))
+        sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
+        F = prims.TensormapField
 
-        # Per-level tensor maps: copy the template to shared memory, patch it, publish it to this
-        # CTA's global slot with a proxy fence (the TMA unit reads maps through the tensormap proxy).
+        box_maps = []
+        stage_maps = []
         for level in cutlass.range_constexpr(self.L):
-            H, W = self.level_size(mShapes, level)
-            start = cutlass.Int64(mStarts[level])
-            if lane < 16:
-                sDesc[lane, level] = (template_words + lane).load()
-            cute.arch.sync_warp()
-            smem_map = cutlass.Pointer(sDesc[None, level].iterator.llvm_ptr, dtype=cutlass.Int64)
-            with cute.arch.elect_one():
-                prims.tensormap_replace(prims.TensormapField.GLOBAL_ADDRESS, smem_map,
-                                        new_value=mValue.iterator.toint() + start * (M * D * e))
-                prims.tensormap_replace(prims.TensormapField.GLOBAL_DIM, smem_map, new_value=W, ord=2)
-                prims.tensormap_replace(prims.TensormapField.GLOBAL_DIM, smem_map, new_value=H, ord=3)
-                prims.tensormap_replace(prims.TensormapField.GLOBAL_STRIDE, smem_map,
-                                        new_value=cutlass.Int64(W) * (M * D * e), ord=2)
-            cute.arch.sync_warp()
-            cpasync.cp_fence_tma_desc_release(
-                manager.get_tensormap_ptr(mDesc[bidx, level, None].iterator), sDesc[None, level].iterator
-            )
-        for level in cutlass.range_constexpr(self.L):
-            cpasync.fence_tma_desc_acquire(manager.get_tensormap_ptr(mDesc[bidx, level, None].iterator))
+            H, W = sizes[level]
+            base = mValue.iterator.toint() + cutlass.Int64(mStarts[level]) * (M * D * e)
+            box_maps.append(self.publish_map(box_template, level, mDesc, sMaps, bidx, [
+                (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, W, 2), (F.GLOBAL_DIM, H, 3),
+                (F.GLOBAL_STRIDE, cutlass.Int64(W) * (M * D * e), 2)]))
+            stage_maps.append(self.publish_map(stage_template, self.L + level, mDesc, sMaps, bidx, [
+                (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, H * W, 2)]))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        tile = bidx
-        while tile < num_tiles:
-            n, m, q0 = self.tile_coords(tile, Lq)
-            for level in cutlass.range_constexpr(self.L):
-                H, W = self.level_size(mShapes, level)
-                desc = manager.get_tensormap_ptr(mDesc[bidx, level, None].iterator, cutlass.AddressSpace.generic)
-                # One vector load of all points of this level per query, so that the location latency
-                # is paid once per level, not once per stage.
-                corners = []
-                for j in cutlass.range_constexpr(self.boxes_per_lane):
-                    q = q0 + lane + 32 * j
-                    locs = self.level_locations(mLoc, n, cutlass.min(q, Lq - 1), m, level)
-                    for point in cutlass.range_constexpr(self.P):
-                        _, x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-                        outside = q >= Lq
-                        corners.append((cutlass.select_(outside, -2, x0), cutlass.select_(outside, -2, y0)))
-                for point in cutlass.range_constexpr(self.P):
-                    pipe.producer_acquire(state)
-                    bar = pipe.producer_get_barrier(state)
-                    for j in cutlass.range_constexpr(self.boxes_per_lane):
-                        slot = lane + 32 * j
-                        if slot < self.G:
-                            x0, y0 = corners[j * self.P + point]
-                            dst = sBoxes[None, state.index].iterator + slot * (4 * D)
-                            prims.cp_async_bulk_tensor_shared_cta_global(
-                                dst, desc, [cutlass.Int32(0), m, x0, y0, n], bar
-                            )
-                    state.advance()
-            tile += cute.arch.grid_dim()[0]
-        pipe.producer_tail(state)
+        index = cutlass.Int32(0)
+        phase = cutlass.Int32(0)
+        t = t_begin
+        segment = cutlass.Int32(0)
+        while t < t_end:
+            nm = t // blocks
+            seg_end = cutlass.min(t_end, (nm + 1) * blocks)
+            n = cutlass.Int32(nm // self.M)
+            m = cutlass.Int32(nm % self.M)
+            self.segment_sync()
+            if g == 0:
+                self.stage_levels(stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank)
+            first = t + rank * self.groups + g
+            for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                q0 = cutlass.Int32(tile - nm * blocks) * self.G
+                for level in cutlass.range_constexpr(self.L):
+                    if not staged[level]:
+                        H, W = sizes[level]
+                        # One vector load of all points of this level per query: the location latency
+                        # is paid once per level, not once per stage.
+                        corners = []
+                        for j in cutlass.range_constexpr(self.boxes_per_lane):
+                            q = q0 + lane + 32 * j
+                            locs = self.level_locations(mLoc, n, cutlass.min(q, Lq - 1), m, level)
+                            for point in cutlass.range_constexpr(self.P):
+                                _, x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+                                corners.append((cutlass.select_(q >= Lq, -2, x0), cutlass.select_(q >= Lq, -2, y0)))
+                        for point in cutlass.range_constexpr(self.P):
+                            self.producer_acquire(storage, g, index, phase)
+                            for j in cutlass.range_constexpr(self.boxes_per_lane):
+                                slot = lane + 32 * j
+                                if slot < self.G:
+                                    x0, y0 = corners[j * self.P + point]
+                                    dst = sRing[None, index, g].iterator + slot * (4 * D)
+                                    prims.cp_async_bulk_tensor_shared_cta_global(
+                                        dst, box_maps[level], [cutlass.Int32(0), m, x0, y0, n], self.full_barrier(storage, g, index))
+                            index, phase = self.advance(index, phase)
+            t = seg_end
+            segment += 1
+        # Leave only once the consumers have released every stage (no TMA still in flight at exit).
+        for _ in cutlass.range(self.stages, unroll=1):
+            self.producer_acquire(storage, g, index, phase)
+            index, phase = self.advance(index, phase)
+
+    @cute.jit
+    def stage_levels(self, stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank):
+        """Load the staged levels of (image n, head m) whole; in a cluster each CTA loads every other
+        box and multicasts it to both."""
+        lane = cute.arch.lane_idx()
+        D = self.D
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(staged_full, used * (D * self.cfg.itemsize))
+        cute.arch.sync_warp()
+        for level in cutlass.range_constexpr(self.L):
+            if staged[level]:
+                H, W = sizes[level]
+                boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+                first = lane * self.cluster + rank
+                for b in cutlass.range(first, boxes, 32 * self.cluster, unroll=1):
+                    dst = sStaged.iterator + (offsets[level] + b * STAGE_BOX_PIXELS) * D
+                    coords = [cutlass.Int32(0), m, b * STAGE_BOX_PIXELS, n]
+                    if cutlass.const_expr(self.cluster > 1):
+                        prims.cp_async_bulk_tensor_shared_cluster_global(
+                            dst, stage_maps[level], coords, staged_full, [],
+                            multicast_mask=cutlass.Int16((1 << self.cluster) - 1))
+                    else:
+                        prims.cp_async_bulk_tensor_shared_cta_global(dst, stage_maps[level], coords, staged_full)
+
+    # A group's ring of TMA stages, the protocol of cutlass.pipeline.PipelineTmaAsync: full barriers take
+    # one arrive with the byte count and then the TMA bytes; empty barriers one arrive per consumer warp.
+    # The group is a run-time value, so that one copy of each role's code serves every group.
+    @cute.jit
+    def full_barrier(self, storage, g, index):
+        return storage.ring_barriers.data_ptr() + (2 * self.stages) * g + index
+
+    @cute.jit
+    def empty_barrier(self, storage, g, index):
+        return storage.ring_barriers.data_ptr() + (2 * self.stages) * g + self.stages + index
+
+    @cute.jit
+    def producer_acquire(self, storage, g, index, phase):
+        cute.arch.mbarrier_wait(self.empty_barrier(storage, g, index), phase ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(self.full_barrier(storage, g, index), self.G * self.cfg.box_bytes)
+
+    @cute.jit
+    def consumer_release(self, storage, g, index):
+        if cute.arch.lane_idx() == 0:
+            cute.arch.mbarrier_arrive(self.empty_barrier(storage, g, index))
+
+    @cute.jit
+    def advance(self, index, phase):
+        index += 1
+        wrap = index == self.stages
+        return cutlass.select_(wrap, 0, index), phase ^ cutlass.select_(wrap, 1, 0)
 
     @cute.jit
     def level_locations(self, mLoc, n, q, m, level: int):
@@ -293,9 +450,8 @@ class MSDAForward:
         return (h, w, inside), x0, y0
 
     @cute.jit
-    def corner_weights(self, x, y, a, H, W):
+    def corner_weights(self, h, w, inside, a):
         """Bilinear weights of the four corners times the attention weight; all zero outside."""
-        (h, w, inside), _, _ = self.footprint(x, y, H, W)
         lw = w - cute.math.floor(w)
         lh = h - cute.math.floor(h)
         w00 = cutlass.Float32(0.0)
@@ -310,39 +466,79 @@ class MSDAForward:
         return w00, w01, w10, w11
 
     @cute.jit
-    def consumer(self, mShapes, mLoc, mAttn, mOut, pipe, sBoxes, tidx, bidx, num_tiles):
+    def load_vector(self, ptr):
+        return cute.make_tensor(ptr, cute.make_layout(self.C)).load().to(cutlass.Float32)
+
+    @cute.jit
+    def consumer(self, g, mLoc, mAttn, mOut, storage, sStaged, staged_full, work, tidx):
+        sizes, staged, offsets, used, t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
         slot = tidx // self.T
         chunk = tidx % self.T
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        tile = bidx
-        while tile < num_tiles:
-            n, m, q0 = self.tile_coords(tile, Lq)
-            q = q0 + slot
-            qc = cutlass.min(q, Lq - 1)
-            acc = cute.make_rmem_tensor(cute.make_layout(C), cutlass.Float32)
-            acc.fill(0.0)
-            for level in cutlass.range_constexpr(self.L):
-                H, W = self.level_size(mShapes, level)
-                locs = self.level_locations(mLoc, n, qc, m, level)
-                attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P)).load()
-                attn = attn.to(cutlass.Float32)
-                for point in cutlass.range_constexpr(self.P):
-                    w00, w01, w10, w11 = self.corner_weights(locs[2 * point], locs[2 * point + 1], attn[point], H, W)
-                    pipe.consumer_wait(state)
-                    base = sBoxes[None, state.index].iterator + slot * (4 * D) + chunk * C
-                    v00 = cute.make_tensor(base, cute.make_layout(C)).load().to(cutlass.Float32)
-                    v01 = cute.make_tensor(base + D, cute.make_layout(C)).load().to(cutlass.Float32)
-                    v10 = cute.make_tensor(base + 2 * D, cute.make_layout(C)).load().to(cutlass.Float32)
-                    v11 = cute.make_tensor(base + 3 * D, cute.make_layout(C)).load().to(cutlass.Float32)
-                    pipe.consumer_release(state)
-                    acc.store(acc.load() + w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11)
-                    state.advance()
-            if q < Lq:
-                out = cute.make_tensor(mOut[n, q, m, None].iterator + chunk * C, cute.make_layout(C))
-                out.store(acc.load().to(mOut.element_type))
-            tile += cute.arch.grid_dim()[0]
+        sRing = storage.ring.get_tensor(cute.make_layout((self.G * 4 * D, self.stages, self.groups)))
+        zero_pixel = cutlass.Int32(self.stage_pixels)
+        index = cutlass.Int32(0)
+        phase = cutlass.Int32(0)
+        t = t_begin
+        segment = cutlass.Int32(0)
+        while t < t_end:
+            nm = t // blocks
+            seg_end = cutlass.min(t_end, (nm + 1) * blocks)
+            n = cutlass.Int32(nm // self.M)
+            m = cutlass.Int32(nm % self.M)
+            self.segment_sync()
+            cute.arch.mbarrier_wait(staged_full, segment % 2)
+            first = t + rank * self.groups + g
+            for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                q = cutlass.Int32(tile - nm * blocks) * self.G + slot
+                qc = cutlass.min(q, Lq - 1)
+                acc = cute.make_rmem_tensor(cute.make_layout(C), cutlass.Float32)
+                acc.fill(0.0)
+                # Staged levels first: they need no wait, and overlap the boxes of the others in flight.
+                for level in cutlass.range_constexpr(self.L):
+                    if staged[level]:
+                        H, W = sizes[level]
+                        locs = self.level_locations(mLoc, n, qc, m, level)
+                        attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P))
+                        attn = attn.load().to(cutlass.Float32)
+                        for point in cutlass.range_constexpr(self.P):
+                            (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+                            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+                            vals = []
+                            for dy in cutlass.range_constexpr(2):
+                                for dx in cutlass.range_constexpr(2):
+                                    yy = y0 + dy
+                                    xx = x0 + dx
+                                    ok = yy >= 0 and yy < H and xx >= 0 and xx < W
+                                    pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
+                                    vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
+                            acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+                for level in cutlass.range_constexpr(self.L):
+                    if not staged[level]:
+                        H, W = sizes[level]
+                        locs = self.level_locations(mLoc, n, qc, m, level)
+                        attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P))
+                        attn = attn.load().to(cutlass.Float32)
+                        for point in cutlass.range_constexpr(self.P):
+                            (h, w, inside), _, _ = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+                            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+                            cute.arch.mbarrier_wait(self.full_barrier(storage, g, index), phase)
+                            box = sRing[None, index, g].iterator + slot * (4 * D) + chunk * C
+                            v00 = self.load_vector(box)
+                            v01 = self.load_vector(box + D)
+                            v10 = self.load_vector(box + 2 * D)
+                            v11 = self.load_vector(box + 3 * D)
+                            acc.store(acc.load() + w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11)
+                            # Release after the loads are consumed: in-order issue means they completed.
+                            cute.arch.sync_warp()
+                            self.consumer_release(storage, g, index)
+                            index, phase = self.advance(index, phase)
+                if q < Lq:
+                    out = cute.make_tensor(mOut[n, q, m, None].iterator + chunk * C, cute.make_layout(C))
+                    out.store(acc.load().to(mOut.element_type))
+            t = seg_end
+            segment += 1
 
 
 _compiled: dict = {}
@@ -365,7 +561,7 @@ def _sym_fake_tensors(cfg: KernelConfig):
         row_major(ldt, (n, lq, M, L, P, 2), 16),
         row_major(adt, (n, lq, M, L, P), 16),
         row_major(vdt, (n, lq, M, D), 16),
-        row_major(cutlass.Int64, (grid, L, 16), 128),
+        row_major(cutlass.Int64, (grid, 2 * L, 16), 128),
     )
 
 
@@ -381,9 +577,10 @@ def compile_kernel(cfg: KernelConfig):
     return fn
 
 
-CTAS_PER_SM = 4
-NUM_STAGES = 6
+SMEM_PER_SM = 227 * 1024
 _sm_count: dict = {}
+# Defaults of the configuration knobs that are not part of the problem (see docs/performance.md).
+TUNING = dict(num_stages=6, num_groups=2, stage_bytes=96 * 1024, cluster_size=1)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -393,14 +590,14 @@ def _num_sms(device: torch.device) -> int:
     return _sm_count[index]
 
 
-def config_for(value, sampling_locations, attention_weights) -> KernelConfig:
+def config_for(value, sampling_locations, attention_weights, **tuning) -> KernelConfig:
     N, S, M, D = value.shape
     _, Lq, _, L, P, _ = sampling_locations.shape
     return KernelConfig(
         value_dtype=_TORCH_TO_NAME[value.dtype],
         loc_dtype=_TORCH_TO_NAME[sampling_locations.dtype],
         attn_dtype=_TORCH_TO_NAME[attention_weights.dtype],
-        num_heads=M, num_levels=L, num_points=P, head_dim=D, num_stages=NUM_STAGES,
+        num_heads=M, num_levels=L, num_points=P, head_dim=D, **{**TUNING, **tuning},
     )
 
 
@@ -409,20 +606,22 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
     """Run the kernel on validated CUDA tensors on an sm_90 device; returns (N, Lq, M*D) in value's dtype."""
     N, S, M, D = value.shape
     Lq = sampling_locations.shape[1]
     L = sampling_locations.shape[3]
-    cfg = config_for(value, sampling_locations, attention_weights)
+    cfg = config_for(value, sampling_locations, attention_weights, **tuning)
     fn = compile_kernel(cfg)
     device = value.device
     out = torch.empty((N, Lq, M * D), dtype=value.dtype, device=device)
     if out.numel() == 0:
         return out
     num_tiles = N * M * math.ceil(Lq / cfg.queries_per_tile)
-    grid = min(num_tiles, _num_sms(device) * CTAS_PER_SM)
-    desc = torch.empty((grid, L, 16), dtype=torch.int64, device=device)
+    ctas_per_sm = max(1, SMEM_PER_SM // cfg.smem_bytes)
+    grid = min(num_tiles, _num_sms(device) * ctas_per_sm)
+    grid = (grid + cfg.cluster_size - 1) // cfg.cluster_size * cfg.cluster_size
+    maps = torch.empty((grid, 2 * L, 16), dtype=torch.int64, device=device)
     fn(
         _aligned(value),
         spatial_shapes.to(device=device, dtype=torch.int64).contiguous(),
@@ -430,7 +629,7 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
         _aligned(sampling_locations),
         _aligned(attention_weights),
         out.view(N, Lq, M, D),
-        desc,
+        maps,
         grid,
     )
     return out

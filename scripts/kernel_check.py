@@ -71,19 +71,21 @@ def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def correctness():
+def correctness(quick, tunings):
     bounds = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
     cases = []
     for vdt in (torch.float32, torch.float16, torch.bfloat16):
-        for ldt in (torch.float32, torch.float16):
-            for D in (16, 32, 64):
+        for ldt in ((torch.float32,) if quick else (torch.float32, torch.float16)):
+            for D in ((32,) if quick else (16, 32, 64)):
                 cases.append(dict(N=2, Lq=37, M=8, D=D, levels=[(13, 17), (7, 9), (1, 5), (4, 1)], P=4, vdt=vdt, ldt=ldt))
-    for L in (1, 2, 3, 5):
-        for P in (1, 2, 8, 16):
+    for L in ((1, 5) if quick else (1, 2, 3, 5)):
+        for P in ((1, 16) if quick else (1, 2, 8, 16)):
             cases.append(dict(N=1, Lq=70, M=1, D=32, levels=[(9 + l, 11 - l) for l in range(L)], P=P,
                               vdt=torch.float16, ldt=torch.float32))
     cases.append(dict(N=3, Lq=1000, M=8, D=32, levels=[(40, 60), (20, 30), (10, 15), (5, 8)], P=4, vdt=torch.float16,
                       ldt=torch.float32, border=True))
+    cases.append(dict(N=2, Lq=3000, M=4, D=64, levels=[(50, 33), (20, 30), (10, 15), (1, 1)], P=4, vdt=torch.float32,
+                      ldt=torch.float16, border=True))
     worst = 0.0
     failures = 0
     for c in cases:
@@ -92,17 +94,18 @@ def correctness():
         border = c.pop("border", False)
         value, shapes, starts, loc, attn = make_inputs(vdt=vdt, ldt=ldt, border=border, **c)
         ref = reference_f64(value, shapes, starts, loc, attn)
-        out = msda_fwd.msda_forward(value, shapes, starts, loc, attn)
-        torch.cuda.synchronize()
-        err = rel_err(out, ref)
-        ok = err <= bounds[vdt] and torch.isfinite(out).all().item()
-        failures += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} value {str(vdt)[6:]:8s} loc {str(ldt)[6:]:8s} D={c['D']:3d} M={c['M']} "
-              f"L={len(c['levels'])} P={c['P']:2d} Lq={c['Lq']} border={border}: rel err {err:.2e}")
+        for tuning in tunings:
+            out = msda_fwd.msda_forward(value, shapes, starts, loc, attn, **tuning)
+            torch.cuda.synchronize()
+            err = rel_err(out, ref)
+            ok = err <= bounds[vdt] and torch.isfinite(out).all().item()
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} value {str(vdt)[6:]:8s} loc {str(ldt)[6:]:8s} D={c['D']:3d} M={c['M']} "
+                  f"L={len(c['levels'])} P={c['P']:2d} Lq={c['Lq']} border={border} {tuning}: rel err {err:.2e}")
     return failures
 
 
-def bench(names):
+def bench(names, tuning):
     import triton.testing as tt
     rows = []
     for name in names:
@@ -110,14 +113,14 @@ def bench(names):
         value, shapes, starts, loc, attn = make_inputs(N=p["N"], Lq=p["Lq"], M=8, D=32, levels=p["levels"], P=p["P"],
                                                        vdt=torch.float16, local=p["local"])
         t0 = time.time()
-        out = msda_fwd.msda_forward(value, shapes, starts, loc, attn)
+        out = msda_fwd.msda_forward(value, shapes, starts, loc, attn, **tuning)
         torch.cuda.synchronize()
         first = time.time() - t0
         n_check = min(p["N"], 2)
         ref = reference_f64(value[:n_check], shapes, starts, loc[:n_check], attn[:n_check])
         err = rel_err(out[:n_check], ref)
         del ref
-        ms = tt.do_bench(lambda: msda_fwd.msda_forward(value, shapes, starts, loc, attn), warmup=50, rep=300,
+        ms = tt.do_bench(lambda: msda_fwd.msda_forward(value, shapes, starts, loc, attn, **tuning), warmup=50, rep=300,
                          return_mode="median")
         samples = loc.numel() // 2
         rows.append((name, ms * 1e3, samples / ms / 1e6, err, first))
@@ -126,17 +129,23 @@ def bench(names):
         print(f"{r[0]:14s} {r[1]:9.1f} {r[2]:11.2f} {r[3]:9.2e} {r[4]:12.2f}")
 
 
+def parse_tuning(spec):
+    return {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(":") if kv}
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="dcnv4-test,detr-encoder,detr-decoder,seed-b48")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--sweep", default="6x4", help="comma list of STAGESxCTAS_PER_SM")
+    ap.add_argument("--quick", action="store_true", help="a smaller correctness grid")
+    ap.add_argument("--check", default=",stage_bytes=0", help="tunings to check for correctness")
+    ap.add_argument("--sweep", default="", help="comma list of tunings, e.g. num_groups=2:num_stages=6")
     args = ap.parse_args()
     print(torch.cuda.get_device_name())
     torch.manual_seed(0)
-    fails = 0 if args.skip_correctness else correctness()
-    for stages, ctas in [tuple(int(v) for v in c.split("x")) for c in args.sweep.split(",")]:
-        msda_fwd.NUM_STAGES, msda_fwd.CTAS_PER_SM = stages, ctas
-        print(f"\n== {stages} stages, {ctas} CTAs per SM")
-        bench([n for n in args.presets.split(",") if n])
+    tunings = [parse_tuning(spec) for spec in args.sweep.split(",")]
+    fails = 0 if args.skip_correctness else correctness(args.quick, [parse_tuning(s) for s in args.check.split(",")])
+    for tuning in tunings:
+        print(f"\n== tuning {tuning or 'default'}")
+        bench([n for n in args.presets.split(",") if n], tuning)
     sys.exit(1 if fails else 0)
