@@ -20,9 +20,9 @@ template <typename T>
 __global__ void __launch_bounds__(128) tma_box_check_kernel(const __grid_constant__ CUtensorMap map,
                                                             const int4* __restrict__ coords, int64_t K, int D,
                                                             uint4* __restrict__ out) {
-  extern __shared__ __align__(128) uint8_t box[];
-  __shared__ __align__(8) uint64_t bar;
+  extern __shared__ __align__(128) uint8_t box[];  // the box, then its mbarrier (box bytes are a multiple of 16)
   const int box_bytes = 4 * D * (int)sizeof(T);
+  uint64_t& bar = *reinterpret_cast<uint64_t*>(box + box_bytes);
   if (threadIdx.x == 0) {
     mbar_init(&bar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -149,7 +149,7 @@ const char* tma_box_check(const void* value, int dtype, int64_t N, int64_t H, in
     if ((D * (int64_t)sizeof(T)) % 16 != 0) return plain_message("tma_box_check: D * element size must be a multiple of 16");
     CUtensorMap map;
     if (const char* e = encode_box_map(&map, value, dtype, N, H, W, M, D, H * W * M * D)) return e;
-    const size_t smem = (size_t)4 * D * sizeof(T);
+    const size_t smem = (size_t)4 * D * sizeof(T) + sizeof(uint64_t);
     MSDA_RETURN_IF_ERROR("tma_box_check smem attribute",
                          cudaFuncSetAttribute(tma_box_check_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               (int)smem));

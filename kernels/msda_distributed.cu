@@ -2,7 +2,7 @@
 // cluster stages rows [r*R, (r+1)*R) of that level's feature map (R = ceil(H/C)) into its shared memory, so
 // the cluster holds the whole level in distributed shared memory; after a cluster barrier every thread gathers
 // its corners from the owning CTA through cluster.map_shared_rank. The staging buffer is reused across levels.
-// Thread = (query, 8 channels), D = 32, 128 queries per CTA, C*128 queries per cluster.
+// Thread = (query, 8 channels), D = 32; 64 or 128 queries per CTA (256 or 512 threads).
 //
 // Why this cannot hang with many clusters: a CTA waits only at cluster barriers of its own cluster, whose CTAs
 // the hardware schedules together (cluster launch guarantee); there is no dependency between clusters, so any
@@ -19,10 +19,11 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kDistD = 32;
-constexpr int kDistThreads = 512;
-constexpr int kDistGroups = kDistD / 8;                       // threads per query
-constexpr int kDistQueries = kDistThreads / kDistGroups;      // queries per CTA
+constexpr int kDistGroups = kDistD / 8;  // threads per query
 constexpr int kDistMaxLevels = 8;
+// 512 threads per CTA when the level share takes most of an SM's shared memory (one CTA per SM), else 256 so that
+// several CTAs (and clusters) fit on an SM.
+constexpr size_t kDistBigSmem = 100 * 1024;
 
 struct DistLevels {
   int64_t start[kDistMaxLevels];
@@ -36,10 +37,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
                : "memory");
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kDistThreads, 1) msda_distributed_kernel(
+template <typename T, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) msda_distributed_kernel(
     const __grid_constant__ DistLevels levels, const T* __restrict__ value, const float* __restrict__ loc,
     const float* __restrict__ attn, T* __restrict__ out, int S, int Lq, int M, int L, int P) {
+  constexpr int kQueries = THREADS / kDistGroups;  // queries per CTA
   cg::cluster_group cluster = cg::this_cluster();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   T* rows_here = reinterpret_cast<T*>(smem_raw);  // [row][x][D] of this CTA's share of the current level
@@ -47,7 +49,7 @@ __global__ void __launch_bounds__(kDistThreads, 1) msda_distributed_kernel(
   const int rank = (int)cluster.block_rank();
   const int head = blockIdx.y, n = blockIdx.z;
   const int query_chunk = blockIdx.x / C;
-  const int q = (query_chunk * C + rank) * kDistQueries + threadIdx.x / kDistGroups;
+  const int q = (query_chunk * C + rank) * kQueries + threadIdx.x / kDistGroups;
   const int group = threadIdx.x % kDistGroups;
   const bool active = q < Lq;
   const int pixel_stride = M * kDistD;
@@ -67,7 +69,7 @@ __global__ void __launch_bounds__(kDistThreads, 1) msda_distributed_kernel(
     const int my_rows = max(0, min(H, row0 + R) - row0);
     const T* src = image + (levels.start[level] + (int64_t)row0 * W) * pixel_stride;
     const int pieces = my_rows * W * kPiecesPerPixel;
-    for (int i = threadIdx.x; i < pieces; i += kDistThreads) {
+    for (int i = threadIdx.x; i < pieces; i += THREADS) {
       const int pixel = i / kPiecesPerPixel, piece = i % kPiecesPerPixel;
       cp_async_16(rows_here + pixel * kDistD + piece * kElemsPerPiece,
                   src + (int64_t)pixel * pixel_stride + piece * kElemsPerPiece);
@@ -107,9 +109,22 @@ __global__ void __launch_bounds__(kDistThreads, 1) msda_distributed_kernel(
 struct DistPlan {
   DistLevels levels;
   int cluster_size = 0;
+  int threads = 0;
   size_t smem = 0;
   dim3 grid;
 };
+
+template <typename T, int THREADS>
+const char* set_attributes(const DistPlan& plan) {
+  MSDA_RETURN_IF_ERROR("distributed smem attribute",
+                       cudaFuncSetAttribute(msda_distributed_kernel<T, THREADS>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
+  if (plan.cluster_size > 8)
+    MSDA_RETURN_IF_ERROR("distributed non-portable cluster",
+                         cudaFuncSetAttribute(msda_distributed_kernel<T, THREADS>,
+                                              cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  return nullptr;
+}
 
 template <typename T>
 const char* plan_distributed(const Problem& pb, int cluster_size, DistPlan* plan) {
@@ -148,17 +163,12 @@ const char* plan_distributed(const Problem& pb, int cluster_size, DistPlan* plan
   }
   plan->cluster_size = c;
   plan->smem = std::max<size_t>(smem_for(c), 16);
-  const int64_t chunks = ceil_div(pb.Lq, (int64_t)c * kDistQueries);
+  plan->threads = plan->smem > kDistBigSmem ? 512 : 256;
+  const int64_t queries_per_cta = plan->threads / kDistGroups;
+  const int64_t chunks = ceil_div(pb.Lq, (int64_t)c * queries_per_cta);
   if (chunks * c > INT32_MAX) return plain_message("distributed: too many queries");
   plan->grid = dim3((unsigned)(chunks * c), (unsigned)pb.M, (unsigned)pb.N);
-  MSDA_RETURN_IF_ERROR("distributed smem attribute",
-                       cudaFuncSetAttribute(msda_distributed_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)plan->smem));
-  if (c > 8)
-    MSDA_RETURN_IF_ERROR("distributed non-portable cluster",
-                         cudaFuncSetAttribute(msda_distributed_kernel<T>,
-                                              cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  return nullptr;
+  return plan->threads == 512 ? set_attributes<T, 512>(*plan) : set_attributes<T, 256>(*plan);
 }
 
 struct LaunchConfig {
@@ -166,7 +176,7 @@ struct LaunchConfig {
   cudaLaunchAttribute attribute[1];
   LaunchConfig(const DistPlan& plan, cudaStream_t stream) {
     config.gridDim = plan.grid;
-    config.blockDim = dim3(kDistThreads, 1, 1);
+    config.blockDim = dim3(plan.threads, 1, 1);
     config.dynamicSmemBytes = plan.smem;
     config.stream = stream;
     attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -178,6 +188,25 @@ struct LaunchConfig {
   }
 };
 
+template <typename T, int THREADS>
+const char* launch_planned(const Problem& pb, const DistPlan& plan) {
+  LaunchConfig launch(plan, (cudaStream_t)pb.stream);
+  MSDA_RETURN_IF_ERROR("distributed launch",
+                       cudaLaunchKernelEx(&launch.config, msda_distributed_kernel<T, THREADS>, plan.levels,
+                                          static_cast<const T*>(pb.value), pb.loc, pb.attn, static_cast<T*>(pb.out),
+                                          (int)pb.S, (int)pb.Lq, (int)pb.M, (int)pb.L, (int)pb.P));
+  MSDA_RETURN_IF_ERROR("distributed launch", cudaGetLastError());
+  return nullptr;
+}
+
+template <typename T, int THREADS>
+const char* max_active_clusters(const Problem& pb, const DistPlan& plan, int* active) {
+  LaunchConfig launch(plan, (cudaStream_t)pb.stream);
+  MSDA_RETURN_IF_ERROR("distributed max active clusters",
+                       cudaOccupancyMaxActiveClusters(active, msda_distributed_kernel<T, THREADS>, &launch.config));
+  return nullptr;
+}
+
 }  // namespace
 
 const char* launch_distributed(const Problem& pb, int cluster_size) {
@@ -186,13 +215,7 @@ const char* launch_distributed(const Problem& pb, int cluster_size) {
     if (pb.N * pb.Lq * pb.M == 0) return nullptr;
     DistPlan plan;
     if (const char* e = plan_distributed<T>(pb, cluster_size, &plan)) return e;
-    LaunchConfig launch(plan, (cudaStream_t)pb.stream);
-    MSDA_RETURN_IF_ERROR("distributed launch",
-                         cudaLaunchKernelEx(&launch.config, msda_distributed_kernel<T>, plan.levels,
-                                            static_cast<const T*>(pb.value), pb.loc, pb.attn, static_cast<T*>(pb.out),
-                                            (int)pb.S, (int)pb.Lq, (int)pb.M, (int)pb.L, (int)pb.P));
-    MSDA_RETURN_IF_ERROR("distributed launch", cudaGetLastError());
-    return nullptr;
+    return plan.threads == 512 ? launch_planned<T, 512>(pb, plan) : launch_planned<T, 256>(pb, plan);
   });
 }
 
@@ -201,15 +224,15 @@ const char* distributed_info(const Problem& pb, int cluster_size, ClusterInfo* i
     using T = decltype(tag);
     DistPlan plan;
     if (const char* e = plan_distributed<T>(pb, cluster_size, &plan)) return e;
-    LaunchConfig launch(plan, (cudaStream_t)pb.stream);
     int active = 0;
-    MSDA_RETURN_IF_ERROR("distributed max active clusters",
-                         cudaOccupancyMaxActiveClusters(&active, msda_distributed_kernel<T>, &launch.config));
+    const char* e = plan.threads == 512 ? max_active_clusters<T, 512>(pb, plan, &active)
+                                        : max_active_clusters<T, 256>(pb, plan, &active);
+    if (e) return e;
     info->cluster_size = plan.cluster_size;
     info->smem_bytes = (int64_t)plan.smem;
     info->grid_clusters = (int64_t)plan.grid.x / plan.cluster_size * plan.grid.y * plan.grid.z;
     info->max_active_clusters = active;
-    info->threads_per_cta = kDistThreads;
+    info->threads_per_cta = plan.threads;
     return nullptr;
   });
 }

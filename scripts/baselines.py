@@ -59,7 +59,8 @@ def build(verbose: bool = False, progress: bool = True):
     if progress:
         from tqdm import tqdm
 
-        with tqdm(desc="building kernels/ (sm_90a)", unit="s", bar_format="{desc}: {elapsed}", file=sys.stderr) as bar:
+        with tqdm(desc="building kernels/ (sm_90a)", unit="s", bar_format="{desc}: {elapsed}", file=sys.stderr,
+                  mininterval=5) as bar:
             while thread.is_alive():
                 thread.join(1.0)
                 bar.update(1)

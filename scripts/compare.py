@@ -38,7 +38,7 @@ PRESETS = {
     "detr-decoder": dict(N=8, Lq=900, levels=[(100, 167), (50, 84), (25, 42), (13, 21)], P=4, locations="uniform"),
     "seed-b48": dict(N=48, Lq=15422, levels=[(92, 160), (46, 80), (23, 40), (12, 20)], P=8, locations="local"),
 }
-ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "cute", "grid_sample")
+ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "cute")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NCU_METRICS = [
     "gpu__time_duration.sum",
@@ -49,7 +49,7 @@ NCU_METRICS = [
     "dram__bytes_read.sum",
     "dram__bytes_write.sum",
 ]
-GRID_SAMPLE_MAX_BYTES = 8 << 30  # its (N*M, D, Lq, P) fp32 intermediate per level; larger presets skip it
+GRID_SAMPLE_MAX_BYTES = 4 << 30  # its (N*M, D, Lq, P) fp32 intermediate per level; larger presets skip it
 
 
 @dataclass
@@ -129,9 +129,12 @@ def parse_args(argv=None):
     p.add_argument("--cluster-size", type=int, default=0, help="distributed: CTAs per cluster (0 = auto)")
     p.add_argument("--csv", help="write the results table as CSV here")
     p.add_argument("--png", help="write a bar chart (matplotlib) here")
-    p.add_argument("--ncu", metavar="IMPL", help="profile one implementation with ncu (dram, l1tex, sm throughput) "
-                   "on each selected preset instead of the comparison")
+    p.add_argument("--ncu", metavar="IMPLS", help="profile implementations (comma list) with ncu (dram, l1tex, sm "
+                   "throughput) on each selected preset instead of the comparison")
     p.add_argument("--ncu-child", metavar="IMPL", help=argparse.SUPPRESS)
+    p.add_argument("--watchdog", type=float, default=60.0,
+                   help="seconds the first (checked) run of an implementation may take before it counts as hung")
+    p.add_argument("--no-time", action="store_true", help="correctness only (e.g. under compute-sanitizer)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     return p.parse_args(argv)
 
@@ -267,15 +270,54 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args):
     return bound, skipped
 
 
-def check_impl(impl: Impl, ref: torch.Tensor, n_check: int):
-    """Poison, run once, check every element was written (no NaN anywhere) and the relative error on the
-    checked images. Returns (rel_err, note)."""
+class PresetAborted(RuntimeError):
+    def __init__(self, rows):
+        super().__init__("hang")
+        self.rows = rows
+
+
+class Hang(RuntimeError):
+    """An implementation did not finish within the watchdog: the GPU is now busy with it, nothing else can run."""
+
+
+def run_watched(fn, seconds: float):
+    """fn() on a worker thread (an op may block on the host), then wait for the device with a deadline."""
+    import threading
+
+    result, done = {}, torch.cuda.Event()
+
+    def work():
+        try:
+            result["out"] = fn()
+            done.record()
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=work, daemon=True)
+    deadline = time.time() + seconds
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise Hang(f"the call did not return within {seconds:g} s")
+    if "error" in result:
+        raise result["error"]
+    while not done.query():
+        if time.time() > deadline:
+            raise Hang(f"the kernel did not finish within {seconds:g} s")
+        time.sleep(0.001)
+    return result["out"]
+
+
+def check_impl(impl: Impl, ref: torch.Tensor, n_check: int, watchdog: float):
+    """Poison, run once under the watchdog, check every element was written (no NaN anywhere) and the relative
+    error on the checked images. Returns (rel_err, note)."""
     if impl.poisonable:
         impl.out.fill_(float("nan"))
-        impl()
+        torch.cuda.synchronize()
+        run_watched(impl, watchdog)
         out = impl.out
     else:
-        out = impl()
+        out = run_watched(impl, watchdog)
     torch.cuda.synchronize()
     finite = torch.isfinite(out).all().item()
     if not finite:
@@ -321,16 +363,21 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
         row.bound = baselines.ERROR_BOUND[impl.value_dtype]
         progress.set_postfix_str(f"{shape.name} {impl.name}")
         try:
-            row.rel_err, why = check_impl(impl, ref, n_check)
+            row.rel_err, why = check_impl(impl, ref, n_check, args.watchdog)
             if why or not (row.rel_err <= row.bound):
                 row.status = "MISMATCH"
                 row.note = why or f"rel err {row.rel_err:.3e} > bound {row.bound:g}"
-            else:
+            elif not args.no_time:
                 row.us = time_impl(impl, args)
                 row.gsamples = shape.samples / row.us * 1e-3
                 floor_bytes = shape.floor_bytes(value_bytes)
                 row.tbs = floor_bytes / row.us * 1e-6
                 row.floor_us = floor_bytes / copy_bw * 1e6
+        except Hang as exc:
+            row.status = "HANG"
+            row.note = str(exc)
+            rows.append(row)
+            raise PresetAborted(rows) from exc
         except Exception as exc:
             row.status = "FAILED"
             row.note = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
@@ -360,6 +407,7 @@ def print_table(rows: list[Row], header: str):
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.rjust(w) if i >= 4 else v.ljust(w) for i, (v, w) in enumerate(zip(vals, widths)))
     notes = [f"  {r.preset}/{r.impl}: {r.note}" for r in rows if r.note]
+    print("results:")
     if notes:
         print("notes:")
         print("\n".join(notes))
@@ -439,22 +487,22 @@ def ncu_parent(args, argv):
 
 def ncu_child(args, shapes, ext):
     dtype = DTYPES[args.dtype]
+    names = [n.strip() for n in args.ncu_child.split(",") if n.strip()]
     for shape in shapes:
         generator = torch.Generator(device="cuda").manual_seed(args.seed or 0)
         inputs = make_inputs(shape, dtype, generator)
-        bound, skipped = bind_impls([args.ncu_child], ext, None, inputs, shape, args)
-        if skipped:
-            print(f"[{shape.name}] {args.ncu_child}: {skipped[0][1]}")
-            continue
-        impl = bound[0]
-        impl()
-        impl()  # warm: compiles, caches, tensor maps
-        torch.cuda.synchronize()
-        print(f"[{shape.name}] profiling {impl.name}: {shape.describe()}", flush=True)
-        torch.cuda.cudart().cudaProfilerStart()
-        impl()
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
+        bound, skipped = bind_impls(names, ext, None, inputs, shape, args)
+        for name, why in skipped:
+            print(f"[{shape.name}] {name}: {why}")
+        for impl in bound:
+            impl()
+            impl()  # warm: compiles, caches, tensor maps
+            torch.cuda.synchronize()
+            print(f"[{shape.name}] profiling {impl.name}: {shape.describe()}", flush=True)
+            torch.cuda.cudart().cudaProfilerStart()
+            impl()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
     return 0
 
 
@@ -471,7 +519,9 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("compare.py needs a CUDA GPU (sm_90 for tma and distributed)")
     ext, ext_error = None, None
-    needs_ext = any(n in baselines.KERNEL_IMPLS or n == "classic-fp32" for n in names + [args.ncu_child or ""])
+    if args.ncu_child:
+        names = [n.strip() for n in args.ncu_child.split(",") if n.strip()]
+    needs_ext = any(n in baselines.KERNEL_IMPLS or n == "classic-fp32" for n in names)
     if needs_ext:
         try:
             ext = baselines.build(progress=not args.no_progress)
@@ -484,18 +534,25 @@ def main(argv=None):
     from tqdm import tqdm
 
     props = torch.cuda.get_device_properties(0)
-    copy_bw = copy_bandwidth()
+    copy_bw = float("nan") if args.no_time else copy_bandwidth()
     header = (f"device {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}; value {args.dtype}, "
-              f"locations fp32; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write); do_bench median")
+              f"locations fp32; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write); do_bench median, ms "
+              f"warm-up {args.warmup:g} / rep {args.rep:g}")
     print(header, flush=True)
     if ext is not None:
         print(f"baselines: {ext.__file__} (build or cache load {ext.build_seconds:.1f} s)")
     for s in shapes:
         print(" ", s.describe())
     rows = []
+    hung = False
     with tqdm(total=len(shapes) * len(names), desc="compare", disable=args.no_progress, file=sys.stderr) as progress:
         for shape in shapes:
-            rows += run_preset(shape, args, ext, ext_error, copy_bw, names, progress)
+            try:
+                rows += run_preset(shape, args, ext, ext_error, copy_bw, names, progress)
+            except PresetAborted as aborted:  # the GPU is stuck: report what we have and leave
+                rows += aborted.rows
+                hung = True
+                break
     if args.csv:
         write_csv(rows, args.csv)
         print(f"wrote {args.csv}")
@@ -503,6 +560,10 @@ def main(argv=None):
         write_png(rows, args.png, header)
         print(f"wrote {args.png}")
     print_table(rows, header)
+    if hung:
+        print("\na kernel hung (see HANG above); the remaining presets and implementations were not run")
+        sys.stdout.flush()
+        os._exit(3)  # a normal exit would wait for the stuck kernel
     bad = [r for r in rows if r.status in ("MISMATCH", "FAILED")]
     if bad:
         print(f"\n{len(bad)} implementation(s) failed the check or the run: "

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One GPU call for the baselines: build, checks, microbenchmarks, the comparison on all presets, ncu, sanitizers.
+# On the device machine:  source .device/activate.sh && bash scripts/gpu_check_baselines.sh
+# Writes $OUT/gpu_check.log (everything), $OUT/compare.csv, $OUT/compare.png, $OUT/tiles.csv; prints the summary
+# last. Each step gets what is left of a BUDGET-second total (default 570) so the call ends inside its limit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check_out}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+STEP_LOGS=/tmp/gpu_check_steps
+mkdir -p "$STEP_LOGS"
+: >"$LOG"
+export PYTHONUNBUFFERED=1
+BUDGET=${BUDGET:-570}
+START=$(date +%s)
+STEPS=()
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+step() {  # name max_seconds command...
+    local name=$1 max=$2; shift 2
+    local t=$(left)
+    [ "$t" -gt "$max" ] && t=$max
+    if [ "$t" -lt 20 ]; then
+        STEPS+=("$name: SKIPPED (budget)"); echo "== $name: skipped, budget spent" | tee -a "$LOG"; return
+    fi
+    echo "== $name (limit ${t}s): $*" | tee -a "$LOG"
+    local s=$(date +%s)
+    timeout -s KILL "$t" "$@" >"$STEP_LOGS/$name.log" 2>&1
+    local rc=$?
+    cat "$STEP_LOGS/$name.log" >>"$LOG"
+    STEPS+=("$name: rc=$rc in $(( $(date +%s) - s ))s")
+    echo "== $name: rc=$rc" | tee -a "$LOG"
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv >>"$LOG" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" >>"$LOG" 2>&1
+
+step build 300 python3 scripts/baselines.py
+step cluster-watchdog 150 python3 scripts/microbench.py --sections cluster --watchdog 30
+step microbench 150 python3 scripts/microbench.py --sections tma,tiles --csv "$OUT/tiles.csv"
+step compare 240 python3 scripts/compare.py --no-progress --csv "$OUT/compare.csv" --png "$OUT/compare.png" \
+    --impls classic-fp32,classic,vec,tile2x2,tma,distributed,grid_sample
+# cute separately: an untested kernel that hangs must not cost the baselines' table
+step compare-cute 120 python3 scripts/compare.py --no-progress --impls classic-fp32,classic,cute
+step ncu 120 python3 scripts/compare.py --presets dcnv4-test --ncu vec,tma
+step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
+    --no-time --levels 9x11,5x6,1x3 --N 2 --Lq 70 --P 3 --impls classic,vec,tile2x2,tma,distributed
+step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
+    --no-time --levels 9x11,5x6 --N 1 --Lq 40 --P 2 --impls tile2x2,tma,distributed
+
+{
+    echo
+    echo "================ summary ================"
+    printf '%s\n' "${STEPS[@]}"
+    echo "---- sanitizers"
+    grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|results:|MISMATCH|FAILED" "$STEP_LOGS/memcheck.log" "$STEP_LOGS/racecheck.log" 2>/dev/null
+    echo "---- ncu (dcnv4-test)"
+    grep -E "profiling|msda_|gpu__time_duration|dram__|l1tex__throughput|lts__throughput|sm__throughput|==ERROR" \
+        "$STEP_LOGS/ncu.log" 2>/dev/null | head -40
+    echo "---- distributed under the watchdog"
+    grep -E "cluster +[0-9]+ CTAs|HANG|FAILED|microbench:" "$STEP_LOGS/cluster-watchdog.log" 2>/dev/null
+    echo "---- microbench"
+    grep -E "exact match|XOR of all|microbench:" "$STEP_LOGS/microbench.log" 2>/dev/null
+    sed -n '/^tile copy summary/,/^microbench:/p' "$STEP_LOGS/microbench.log" 2>/dev/null
+    echo "---- compare"
+    grep -E "^\[|reference" "$STEP_LOGS/compare.log" 2>/dev/null | head -8
+    sed -n '/^results:/,$p' "$STEP_LOGS/compare.log" 2>/dev/null
+    echo "---- compare with cute"
+    sed -n '/^results:/,$p' "$STEP_LOGS/compare-cute.log" 2>/dev/null | grep -v -E "^ *$" | grep -E "cute|results|preset|---|classic-fp32|HANG|hung"
+} 2>&1 | tee -a "$LOG"
