@@ -412,6 +412,9 @@ def print_table(rows: list[Row], header: str):
         print("notes:")
         print("\n".join(notes))
     print(header)
+    print("TB/s: DRAM-floor bytes (value + fp32 locations + weights read once, output written once) / time; "
+          "floor µs: those bytes / copy bandwidth; x classic: speedup over classic at the same value dtype; "
+          "x cl-fp32: over classic on fp32 value")
     print(line(cols))
     print(line(["-" * w for w in widths]))
     prev = None
