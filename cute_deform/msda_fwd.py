@@ -565,15 +565,20 @@ def _sym_fake_tensors(cfg: KernelConfig):
     )
 
 
-def compile_kernel(cfg: KernelConfig):
-    """Compile (once per process) the kernel for one static configuration."""
+def compile_kernel(cfg: KernelConfig, extra_options: str = ""):
+    """Compile the kernel for one static configuration. Needs no GPU: with CUTE_DSL_ARCH=sm_90a it
+    compiles anywhere, and extra_options="--keep-ptx --dump-dir=DIR" writes the PTX."""
+    return cute.compile(
+        MSDAForward(cfg), *_sym_fake_tensors(cfg), cutlass.Int32(1),
+        make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {extra_options}".strip(),
+    )
+
+
+def _kernel_for(cfg: KernelConfig):
+    """The compiled kernel for a configuration, compiled once per process."""
     fn = _compiled.get(cfg)
     if fn is None:
-        fn = cute.compile(
-            MSDAForward(cfg), *_sym_fake_tensors(cfg), cutlass.Int32(1),
-            make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi",
-        )
-        _compiled[cfg] = fn
+        fn = _compiled[cfg] = compile_kernel(cfg)
     return fn
 
 
@@ -612,7 +617,7 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     Lq = sampling_locations.shape[1]
     L = sampling_locations.shape[3]
     cfg = config_for(value, sampling_locations, attention_weights, **tuning)
-    fn = compile_kernel(cfg)
+    fn = _kernel_for(cfg)
     device = value.device
     out = torch.empty((N, Lq, M * D), dtype=value.dtype, device=device)
     if out.numel() == 0:
