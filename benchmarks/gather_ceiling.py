@@ -1,0 +1,410 @@
+#!/usr/bin/env python3
+"""Gather ceiling of the MSDA access pattern on Hopper (H100/H200): TMA 2x2xD boxes against 16-byte LDG gathers.
+
+Load-only kernels (gather_ceiling.cu, built with nvcc into a small shared library called through ctypes) fetch
+the bilinear footprint (2x2 pixels x D=32 fp16 = 256 B) of every sample of the real multi-level presets
+(M=8 heads, value (N, S, M, D) fp16, levels concatenated along S) and XOR the loaded words; every method's XOR
+is checked against a torch reference before it is timed.
+
+  (a) LDG    16-byte __ldg through L1; a warp covers consecutive queries of one head (DCNv4 / vec style)
+  (b) TMA    one cp.async.bulk.tensor.5d box [32,1,2,2,1] per sample, a producer warp issuing one box per lane,
+             rounds of 32/64 boxes in a ring of mbarrier-guarded stages, consumer warps XOR them out of smem
+  (c) TMA+stage2  as (b) for the two fine levels; the two coarsest levels of one (image, head) staged whole in
+             shared memory (one CTA per SM walks a contiguous range of (n, m, q), restaging when (n, m) changes)
+             and gathered with ld.shared, 4 threads per sample; the producer also bulk-copies the round's
+             coarse-sample coordinates into the slot. Best with many producer warps per CTA: the TMA box rate
+             grows with the number of issuing warps per SM.
+
+Patterns: 'local' (encoder-like: query q sits on pixel q of the levels' concatenated raster (mod S), each sample a
+gaussian (sigma 2 px of that level) around the query's reference point) and 'uniform' (uniform in [0,1]^2).
+Samples are visited in (n, q, m, l, p) order. Sample corner coordinates are precomputed as packed int16 pairs
+(4 B per sample; a real kernel reads 8 B of fp32 location + 4 B of weight per sample instead).
+
+Result, NVIDIA H200, 2026-11-21 (Gsamples/s of the best configuration; copy bandwidth 4.27 TB/s):
+  preset        pattern   LDG   TMA   TMA+stage2    preset        pattern   LDG   TMA   TMA+stage2
+  dcnv4-test    local    49.7  23.2   17.0          detr-decoder  local    34.7  18.9   12.4
+  dcnv4-test    uniform  37.8  23.2   16.9          detr-decoder  uniform  20.8  18.9   10.3
+  detr-encoder  local    51.6  23.4   17.1          seed-b48      local    55.4  24.6   18.6
+  detr-encoder  uniform  38.3  23.4   17.0          seed-b48      uniform  45.0  24.6   18.4
+  TMA boxes top out near 23-25 G boxes/s (about 6 TB/s of box bytes) whatever the pattern and whether value sits
+  in L2 or DRAM, and only with about 12 CTAs per SM each with its own producer warp; LDG through L1 is 2.1-2.3x
+  faster on the local pattern. The staged variant here is consumer-bound (one in-order consumer pipeline per CTA,
+  1-2 CTAs per SM because of the ~80 KB of staged levels): a lower bound for that design, not its ceiling.
+
+Run on the GPU machine:  cd benchmarks && python3 gather_ceiling.py      (needs torch, triton, nvcc)
+Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the torch side only, tiny sizes)
+"""
+import argparse
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(HERE, "gather_ceiling.cu")
+BUILD_DIR = os.environ.get("GC_BUILD_DIR", "/tmp/gather_ceiling_build")
+M, D, L = 8, 32, 4
+SIGMA = 2.0  # px, at each level
+BOX_BYTES = 2 * 2 * D * 2
+
+PRESETS = {
+    "dcnv4-test": (1, 15200, [(100, 152), (50, 76), (25, 38), (13, 19)], 8),
+    "detr-encoder": (2, 22223, [(100, 167), (50, 84), (25, 42), (13, 21)], 4),
+    "detr-decoder": (8, 900, [(100, 167), (50, 84), (25, 42), (13, 21)], 4),
+    "seed-b48": (48, 15422, [(92, 160), (46, 80), (23, 40), (12, 20)], 8),
+}
+
+
+# ------------------------------------------------------------------------------------------------ build / ctypes
+def build_lib():
+    src = open(SRC, "rb").read()
+    tag = hashlib.sha1(src).hexdigest()[:12]
+    path = os.path.join(BUILD_DIR, f"libgather_ceiling_{tag}.so")
+    if not os.path.exists(path):
+        os.makedirs(BUILD_DIR, exist_ok=True)
+        nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+        cmd = [nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC", "-shared",
+               "-o", path + ".tmp", SRC]
+        t0 = time.time()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit("nvcc failed:\n" + r.stdout + r.stderr)
+        os.replace(path + ".tmp", path)
+        print(f"built {os.path.basename(path)} in {time.time() - t0:.1f} s")
+    lib = ctypes.CDLL(path)
+    vp, i, ip = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int)
+    lib.gc_last_error.restype = i
+    lib.gc_error_string.argtypes = [i]
+    lib.gc_error_string.restype = ctypes.c_char_p
+    lib.gc_encode_maps.argtypes = [vp, vp, ip]
+    lib.gc_ldg_occupancy.argtypes = [i, i, i, ip]
+    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, vp, vp]
+    lib.gc_tma_occupancy.argtypes = [i, i, i, i, i, i, i, i, ip]
+    lib.gc_tma.argtypes = [vp, vp, vp, ip, i, i, i, i, i, i, i, i, vp, vp]
+    return lib
+
+
+def check(lib, rc, what):
+    if rc != 0:
+        msg = lib.gc_error_string(rc).decode() if rc > 0 and rc < 1000 else str(rc)
+        raise RuntimeError(f"{what}: error {rc} ({msg})")
+
+
+# ------------------------------------------------------------------------------------------------ data
+def level_info(levels):
+    starts, s = [], 0
+    for h, w in levels:
+        starts.append(s)
+        s += h * w
+    return starts, s
+
+
+def make_coords(pattern, N, Lq, P, levels, gen, dev):
+    """(N*Lq*M*L*P,) int32: y0 << 16 | (x0 & 0xffff), x0 = floor(x*W - 0.5) clamped to [-1, W-1]."""
+    starts, S = level_info(levels)
+    out = torch.empty(N, Lq, M, L, P, dtype=torch.int32, device=dev)
+    if pattern == "local":
+        st = torch.tensor(starts, device=dev)
+        Hs = torch.tensor([h for h, _ in levels], device=dev)
+        Ws = torch.tensor([w for _, w in levels], device=dev)
+        q = torch.arange(Lq, device=dev) % S
+        lq = torch.searchsorted(st, q, right=True) - 1
+        idx = q - st[lq]
+        rx = ((idx % Ws[lq]).float() + 0.5) / Ws[lq].float()
+        ry = ((idx // Ws[lq]).float() + 0.5) / Hs[lq].float()
+        rx, ry = rx.view(1, Lq, 1, 1), ry.view(1, Lq, 1, 1)
+    for l, (H, W) in enumerate(levels):
+        shape = (N, Lq, M, P)
+        if pattern == "local":
+            x = rx * W + SIGMA * torch.randn(shape, generator=gen, device=dev)
+            y = ry * H + SIGMA * torch.randn(shape, generator=gen, device=dev)
+        else:
+            x = torch.rand(shape, generator=gen, device=dev) * W
+            y = torch.rand(shape, generator=gen, device=dev) * H
+        x0 = torch.floor(x - 0.5).to(torch.int32).clamp_(-1, W - 1)
+        y0 = torch.floor(y - 0.5).to(torch.int32).clamp_(-1, H - 1)
+        out[:, :, :, l, :] = (y0 * 65536) | (x0 & 0xFFFF)
+        del x, y, x0, y0
+    return out.reshape(-1)
+
+
+def xor_all(t):
+    t = t.reshape(-1)
+    if t.numel() == 0:
+        return 0
+    while t.numel() > 1:
+        n = t.numel()
+        h = n // 2
+        r = t[:h] ^ t[h:2 * h]
+        if n & 1:
+            r = torch.cat([r, t[2 * h:]])
+        t = r
+    return int(t.item()) & 0xFFFFFFFF
+
+
+def reference_xor(value, coords, N, Lq, P, levels):
+    """XOR of every word every sample loads = XOR of the (pixel, head) rows loaded an odd number of times."""
+    starts, S = level_info(levels)
+    dev = value.device
+    vi = value.view(torch.int32).reshape(-1, D // 2)  # rows (n, s, m), 16 words each
+    cnt = torch.zeros(vi.shape[0], dtype=torch.int32, device=dev)
+    c5 = coords.view(N, Lq, M, L, P)
+    m_idx = torch.arange(M, device=dev).view(1, 1, M, 1)
+    nb = max(1, (1 << 24) // (Lq * M * P))
+    for n0 in range(0, N, nb):
+        n1 = min(N, n0 + nb)
+        n_idx = torch.arange(n0, n1, device=dev).view(-1, 1, 1, 1)
+        for l, (H, W) in enumerate(levels):
+            cl = c5[n0:n1, :, :, l, :]
+            x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
+            y0 = cl >> 16
+            for dy in (0, 1):
+                for dx in (0, 1):
+                    y, x = y0 + dy, x0 + dx
+                    ok = (y >= 0) & (y < H) & (x >= 0) & (x < W)
+                    row = ((n_idx * S + starts[l] + y * W + x) * M + m_idx)[ok]
+                    cnt.index_add_(0, row, torch.ones(row.numel(), dtype=torch.int32, device=dev))
+    return xor_all(vi[(cnt & 1).bool()])
+
+
+# ------------------------------------------------------------------------------------------------ configs
+def ldg_configs(lib, N, Lq, P, sms, quick):
+    variants = [(4, 2), (4, 4), (8, 4), (16, 4)] + ([(16, 8)] if P >= 8 else [])
+    if quick:
+        variants = [(4, 4), (16, 4)]
+    out = []
+    for tpq, u in variants:
+        occ = ctypes.c_int(0)
+        check(lib, lib.gc_ldg_occupancy(P, tpq, u, ctypes.byref(occ)), "ldg occupancy")
+        b = occ.value
+        qw = 32 // tpq  # queries per warp; a block is 8 warps = 8 (query tile, head) items
+        total_blocks = (N * ((Lq + qw - 1) // qw) * M + 7) // 8
+        out.append(dict(tpq=tpq, u=u, contig=0, grid=total_blocks, desc=f"TPQ={tpq} U={u} grid=all"))
+        out.append(dict(tpq=tpq, u=u, contig=0, grid=sms * b, desc=f"TPQ={tpq} U={u} {b}x256/SM interleaved"))
+        out.append(dict(tpq=tpq, u=u, contig=1, grid=sms * b, desc=f"TPQ={tpq} U={u} {b}x256/SM contiguous"))
+    return out
+
+
+def tma_configs(lib, P, nstg, sms, staged_px, quick):
+    if nstg == 0:
+        rings = [(32, 1, 1, 2), (64, 1, 1, 2), (32, 2, 1, 2), (32, 4, 1, 2), (64, 2, 1, 2), (64, 4, 1, 2),
+                 (32, 2, 1, 4), (64, 4, 1, 4), (32, 12, 12, 4), (64, 12, 12, 4)]
+        orders = (0, 1)
+        if quick:
+            rings, orders = [(32, 2, 1, 2), (64, 4, 1, 4)], (0,)
+    else:
+        rings = [(64, 2, 1, 8), (32, 3, 3, 4), (32, 8, 8, 4), (32, 12, 12, 4), (32, 12, 12, 8), (32, 16, 8, 8),
+                 (64, 6, 6, 8), (64, 8, 8, 8)]
+        orders = (1,)
+        if quick:
+            rings = [(32, 12, 12, 8), (64, 8, 8, 8)]
+    out = []
+    for B, stages, nprod, ncons in rings:
+        for order in orders:
+            occ = ctypes.c_int(0)
+            check(lib, lib.gc_tma_occupancy(P, nstg, B, order, stages, nprod, ncons, staged_px, ctypes.byref(occ)),
+                  "tma occupancy")
+            b = min(occ.value, 16)
+            if b < 1:
+                continue
+            ordname = "natural" if order == 0 else "head-major"
+            out.append(dict(B=B, stages=stages, nprod=nprod, ncons=ncons, order=order, grid=sms * b,
+                            desc=f"B={B} stages={stages} prod={nprod} cons={ncons} {b} CTA/SM {ordname}"))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default=",".join(PRESETS))
+    ap.add_argument("--patterns", default="local,uniform")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--methods", default="ldg,tma,stage", help="subset of ldg,tma,stage")
+    ap.add_argument("--dry", action="store_true", help="CPU check of data generation and reference only")
+    ap.add_argument("--warmup", type=float, default=10)
+    ap.add_argument("--rep", type=float, default=50)
+    args = ap.parse_args()
+    presets = args.presets.split(",")
+    which = args.methods.split(",")
+    patterns = args.patterns.split(",")
+
+    if args.dry:
+        dev = torch.device("cpu")
+        gen = torch.Generator(device=dev).manual_seed(1)
+        for name in presets:
+            N, Lq, levels, P = PRESETS[name]
+            N, Lq = 1, min(Lq, 500)
+            starts, S = level_info(levels)
+            value = torch.randn(N, S, M, D, dtype=torch.float16)
+            for pat in patterns:
+                c = make_coords(pat, N, Lq, P, levels, gen, dev)
+                ref = reference_xor(value, c, N, Lq, P, levels)
+                # brute-force check of the reference on the CPU
+                vi = value.view(torch.int32).reshape(N, S, M, D // 2)
+                c5 = c.view(N, Lq, M, L, P)
+                xs = ((c5 & 0xFFFF) ^ 0x8000) - 0x8000
+                ys = c5 >> 16
+                words = []
+                for n in range(N):
+                    for l, (H, W) in enumerate(levels):
+                        x0 = xs[n, :, :, l, :]
+                        y0 = ys[n, :, :, l, :]
+                        for dy in (0, 1):
+                            for dx in (0, 1):
+                                y, x = y0 + dy, x0 + dx
+                                ok = (y >= 0) & (y < H) & (x >= 0) & (x < W)
+                                mm = torch.arange(M).view(1, M, 1).expand_as(y)
+                                pix = (starts[l] + y * W + x)[ok]
+                                words.append(vi[n][pix, mm[ok]].reshape(-1))
+                brute = xor_all(torch.cat(words))
+                print(f"dry {name} {pat}: ref {ref:08x} brute {brute:08x} {'OK' if ref == brute else 'MISMATCH'}; "
+                      f"x0 range [{int(xs.min())}, {int(xs.max())}] y0 range [{int(ys.min())}, {int(ys.max())}]")
+        return
+
+    import triton.testing as tt
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    lib = build_lib()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    outdir = os.environ.get("OUT")
+    log = open(os.path.join(outdir, "gather_ceiling_sweep.txt"), "w") if outdir else None
+
+    def logp(*a):
+        s = " ".join(str(x) for x in a)
+        if log:
+            log.write(s + "\n")
+            log.flush()
+
+    print(f"device: {torch.cuda.get_device_name()}, {sms} SMs, L2 {props.L2_cache_size / 2**20:.0f} MiB, "
+          f"torch {torch.__version__}")
+
+    # copy bandwidth: read + write bytes of a large device-to-device copy
+    nbytes = 2 << 30
+    src = torch.randn(nbytes // 2, dtype=torch.float16, device=dev)
+    dst = torch.empty_like(src)
+    ms = tt.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    copy_bw = 2 * nbytes / (ms * 1e-3)
+    del src, dst
+    print(f"copy bandwidth: {copy_bw / 1e12:.2f} TB/s (read+write of a 2 GiB device-to-device copy, {ms * 1e3:.0f} us)")
+    torch.cuda.empty_cache()
+
+    gen = torch.Generator(device=dev).manual_seed(20261121)
+    rows = []
+    floors = {}
+    failed = False
+    out_buf = torch.empty(1 << 20, dtype=torch.int32, device=dev)  # one XOR word per warp
+    try:
+        for name in presets:
+            N, Lq, levels, P = PRESETS[name]
+            starts, S = level_info(levels)
+            nsamp = N * Lq * M * L * P
+            value = torch.randn(N, S, M, D, dtype=torch.float16, device=dev, generator=gen)
+            vbytes = value.numel() * 2
+            floor_bytes = vbytes + nsamp * (8 + 4) + N * Lq * M * D * 2
+            floors[name] = (floor_bytes, floor_bytes / copy_bw * 1e6, vbytes, nsamp)
+            geom = (ctypes.c_int * 16)(N, Lq, M, S, *[h for h, _ in levels], *[w for _, w in levels], *starts)
+            maps = ctypes.create_string_buffer(L * 128)
+            maps_p = ctypes.cast(maps, ctypes.c_void_p)
+            check(lib, lib.gc_encode_maps(maps_p, ctypes.c_void_p(value.data_ptr()), geom), "encode maps")
+            staged_px = sum(h * w for h, w in levels[L - 2:])
+            for pat in patterns:
+                coords = make_coords(pat, N, Lq, P, levels, gen, dev)
+                ref = reference_xor(value, coords, N, Lq, P, levels)
+                vp, cp = ctypes.c_void_p(value.data_ptr()), ctypes.c_void_p(coords.data_ptr())
+                obuf = ctypes.c_void_p(out_buf.data_ptr())
+
+                def run_ldg(c):
+                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["contig"], c["grid"], obuf, stream)
+
+                def run_tma(c, nstg):
+                    return lib.gc_tma(maps_p, vp, cp, geom, P, nstg, c["B"], c["order"], c["stages"], c["nprod"],
+                                      c["ncons"], c["grid"], obuf, stream)
+
+                methods = []
+                for c in ldg_configs(lib, N, Lq, P, sms, args.quick) if "ldg" in which else []:
+                    methods.append(("LDG", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
+                for c in tma_configs(lib, P, 0, sms, 0, args.quick) if "tma" in which else []:
+                    methods.append(("TMA", c, (lambda c=c: run_tma(c, 0)), c["grid"] * (c["nprod"] + c["ncons"])))
+                for c in tma_configs(lib, P, 2, sms, staged_px, args.quick) if "stage" in which else []:
+                    methods.append(("TMA+stage2", c, (lambda c=c: run_tma(c, 2)), c["grid"] * (c["nprod"] + c["ncons"])))
+                best = {}
+                need = max(nw for _, _, _, nw in methods)
+                if need > out_buf.numel():
+                    out_buf = torch.empty(need, dtype=torch.int32, device=dev)
+                obuf.value = out_buf.data_ptr()
+                for meth, c, fn, nwarps in methods:
+                    out_buf[:nwarps].random_(-2**31, 2**31 - 1, generator=gen)  # poison: every warp must write
+                    check(lib, fn(), f"{meth} launch")
+                    torch.cuda.synchronize()
+                    got = xor_all(out_buf[:nwarps])
+                    ok = got == ref
+                    if not ok:
+                        print(f"  XOR MISMATCH {name} {pat} {meth} {c['desc']}: {got:08x} vs ref {ref:08x}")
+                        logp(name, pat, meth, c["desc"], "XOR MISMATCH")
+                        continue
+                    ms = tt.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+                    check(lib, lib.gc_last_error(), f"{meth} after timing")
+                    us = ms * 1e3
+                    logp(f"{name:13s} {pat:8s} {meth:10s} {us:9.1f} us {nsamp / us / 1e3:6.1f} Gs/s  {c['desc']}")
+                    if meth not in best or us < best[meth][0]:
+                        best[meth] = (us, c["desc"])
+                line = []
+                for meth in ("LDG", "TMA", "TMA+stage2"):
+                    if {"LDG": "ldg", "TMA": "tma", "TMA+stage2": "stage"}[meth] not in which:
+                        continue
+                    if meth in best:
+                        us, desc = best[meth]
+                        rows.append((name, pat, meth, us, nsamp / us / 1e3, nsamp * BOX_BYTES / us / 1e6,
+                                     us / floors[name][1], desc))
+                        line.append(f"{meth} {us:.1f} us")
+                    else:
+                        rows.append((name, pat, meth, float("nan"), float("nan"), float("nan"), float("nan"),
+                                     "no config passed"))
+                print(f"{name} {pat}: ref xor {ref:08x}; " + ", ".join(line), flush=True)
+                del coords
+                torch.cuda.empty_cache()
+            del value
+            torch.cuda.empty_cache()
+    except Exception as e:  # print what we have, exit 1 at the end
+        failed = True
+        print("ERROR:", repr(e)[:500])
+
+    # ------------------------------------------------------------------ summary, table last
+    by = {(r[0], r[1], r[2]): r[3] for r in rows}
+    print()
+    print("speed ratios (time of TMA / time of LDG; > 1 means LDG is faster):")
+    for name in floors:
+        for pat in patterns:
+            t_ldg, t_tma, t_st = (by.get((name, pat, m)) for m in ("LDG", "TMA", "TMA+stage2"))
+            if t_ldg and t_tma:
+                s = f"  {name:13s} {pat:8s} TMA/LDG {t_tma / t_ldg:5.2f}"
+                if t_st:
+                    s += f"   TMA+stage2/LDG {t_st / t_ldg:5.2f}"
+                print(s)
+    print()
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s. DRAM floors (value fp16 + locations fp32 + attention weights "
+          f"fp32 read once, output fp16 written once, at the copy bandwidth):")
+    for name, (fb, fus, vb, ns) in floors.items():
+        print(f"  {name:13s} {ns / 1e6:7.2f} M samples  value {vb / 1e6:7.1f} MB  floor {fb / 1e6:8.1f} MB = "
+              f"{fus:8.1f} us")
+    print()
+    print(f"Gather ceiling on {torch.cuda.get_device_name()} (load-only; best configuration of each method; "
+          f"TB/s = 256 B of box bytes per sample / time; x floor = time / DRAM floor)")
+    hdr = (f"{'preset':13s} {'pattern':8s} {'method':10s} {'us':>9s} {'Gsamp/s':>8s} {'TB/s':>6s} {'x floor':>7s}"
+           f"  best config")
+    print(hdr)
+    print("-" * len(hdr))
+    for name, pat, meth, us, gs, tbs, xf, desc in rows:
+        print(f"{name:13s} {pat:8s} {meth:10s} {us:9.1f} {gs:8.1f} {tbs:6.2f} {xf:7.1f}  {desc}")
+    if failed:
+        sys.exit(1)
+
+if __name__ == "__main__":
+    main()
