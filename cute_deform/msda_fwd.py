@@ -149,7 +149,7 @@ class MSDAForward:
         mLoc: cute.Tensor,  # (N, Lq, M, L, P, 2)
         mAttn: cute.Tensor,  # (N, Lq, M, L, P)
         mOut: cute.Tensor,  # (N, Lq, M, D)
-        mDesc: cute.Tensor,  # (grid, 2L, 16) int64: per-CTA tensor-map slots
+        mDesc: cute.Tensor,  # (grid, groups * 2L, 16) int64: tensor-map slots of each CTA and group
         grid_size: cutlass.Int32,
         stream,
     ):
@@ -178,7 +178,7 @@ class MSDAForward:
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
             staged_full: cute.struct.MemRange[cutlass.Int64, 2]
-            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L], 128]
+            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L * self.groups], 128]
             ring: cute.struct.Align[
                 cute.struct.MemRange[self.value_dtype, self.groups * self.stages * self.G * 4 * D], 128
             ]
@@ -220,9 +220,10 @@ class MSDAForward:
         staged_full = storage.staged_full.data_ptr()
         if warp == 0:
             with cute.arch.elect_one():
-                for i in cutlass.range_constexpr(self.groups * self.stages):
-                    cute.arch.mbarrier_init(self.full_barrier(storage, 0, 0) + i, 1)
-                    cute.arch.mbarrier_init(self.empty_barrier(storage, 0, 0) + i, CONSUMER_WARPS)
+                for g in cutlass.range_constexpr(self.groups):
+                    for i in cutlass.range_constexpr(self.stages):
+                        cute.arch.mbarrier_init(self.full_barrier(storage, g, i), 1)
+                        cute.arch.mbarrier_init(self.empty_barrier(storage, g, i), CONSUMER_WARPS)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(staged_full, 1)
         # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
@@ -315,7 +316,7 @@ class MSDAForward:
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
-        sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L)))
+        sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L * self.groups)))
         sRing = storage.ring.get_tensor(cute.make_layout((self.G * 4 * D, self.stages, self.groups)))
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
         F = prims.TensormapField
@@ -325,10 +326,11 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             H, W = sizes[level]
             base = mValue.iterator.toint() + cutlass.Int64(mStarts[level]) * (M * D * e)
-            box_maps.append(self.publish_map(box_template, level, mDesc, sMaps, bidx, [
+            # Each group publishes its own copy: no two warps ever patch the same map.
+            box_maps.append(self.publish_map(box_template, 2 * self.L * g + level, mDesc, sMaps, bidx, [
                 (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, W, 2), (F.GLOBAL_DIM, H, 3),
                 (F.GLOBAL_STRIDE, cutlass.Int64(W) * (M * D * e), 2)]))
-            stage_maps.append(self.publish_map(stage_template, self.L + level, mDesc, sMaps, bidx, [
+            stage_maps.append(self.publish_map(stage_template, 2 * self.L * g + self.L + level, mDesc, sMaps, bidx, [
                 (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, H * W, 2)]))
 
         index = cutlass.Int32(0)
@@ -561,7 +563,7 @@ def _sym_fake_tensors(cfg: KernelConfig):
         row_major(ldt, (n, lq, M, L, P, 2), 16),
         row_major(adt, (n, lq, M, L, P), 16),
         row_major(vdt, (n, lq, M, D), 16),
-        row_major(cutlass.Int64, (grid, 2 * L, 16), 128),
+        row_major(cutlass.Int64, (grid, cfg.num_groups * 2 * L, 16), 128),
     )
 
 
@@ -626,7 +628,7 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     ctas_per_sm = max(1, SMEM_PER_SM // cfg.smem_bytes)
     grid = min(num_tiles, _num_sms(device) * ctas_per_sm)
     grid = (grid + cfg.cluster_size - 1) // cfg.cluster_size * cfg.cluster_size
-    maps = torch.empty((grid, 2 * L, 16), dtype=torch.int64, device=device)
+    maps = torch.empty((grid, cfg.num_groups * 2 * L, 16), dtype=torch.int64, device=device)
     fn(
         _aligned(value),
         spatial_shapes.to(device=device, dtype=torch.int64).contiguous(),
