@@ -12,16 +12,20 @@ map per level on the device (tensormap.replace) into its own slot of a small glo
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 try:
     import cutlass
     import cutlass.cute as cute
-    import cutlass.pipeline as pipeline
+    import cutlass.runtime
     from cutlass.cute.nvgpu import cpasync
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
     from cutlass.experimental import primitives as prims
@@ -78,6 +82,7 @@ class KernelConfig:
     num_groups: int = 2  # producer warp + consumer warpgroup pairs per CTA, sharing the staged levels
     stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 sends every level through boxes
     cluster_size: int = 1  # 2: CTA pairs split each (image, head) and multicast the staged levels
+    fine_gather: str = "tma"  # levels that are not staged: "tma" boxes through the ring, or "ldg" through L1
 
     @property
     def itemsize(self) -> int:
@@ -137,6 +142,7 @@ class MSDAForward:
         self.cluster = config.cluster_size
         self.stage_pixels = config.stage_pixels
         self.boxes_per_lane = (self.G + 31) // 32
+        self.ring_levels = config.fine_gather == "tma"
         self.consumer_threads = CONSUMER_WARPS * 32
         self.threads = self.groups * (CONSUMER_WARPS + 1) * 32
 
@@ -150,6 +156,7 @@ class MSDAForward:
         mAttn: cute.Tensor,  # (N, Lq, M, L, P)
         mOut: cute.Tensor,  # (N, Lq, M, D)
         mDesc: cute.Tensor,  # (grid, groups * 2L, 16) int64: tensor-map slots of each CTA and group
+        mZero: cute.Tensor,  # (D,) zeros: where an out-of-level corner of an L1 gather reads
         grid_size: cutlass.Int32,
         stream,
     ):
@@ -187,7 +194,7 @@ class MSDAForward:
         self.shared_storage = SharedStorage
         Lq = mLoc.shape[1]
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
-        self.kernel(box_template, stage_template, mValue, mShapes, mStarts, mLoc, mAttn, mOut, mDesc,
+        self.kernel(box_template, stage_template, mValue, mShapes, mStarts, mLoc, mAttn, mOut, mDesc, mZero,
                     num_tiles).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
@@ -208,6 +215,7 @@ class MSDAForward:
         mAttn: cute.Tensor,
         mOut: cute.Tensor,
         mDesc: cute.Tensor,
+        mZero: cute.Tensor,
         num_tiles: cutlass.Int64,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -269,7 +277,7 @@ class MSDAForward:
                           staged_full, work, bidx)
         else:
             g = warp // CONSUMER_WARPS
-            self.consumer(g, mLoc, mAttn, mOut, storage, sStaged, staged_full, work,
+            self.consumer(g, mValue, mStarts, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work,
                           tidx - g * self.consumer_threads)
 
     @cute.jit
@@ -348,7 +356,7 @@ class MSDAForward:
             first = t + rank * self.groups + g
             for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
                 q0 = cutlass.Int32(tile - nm * blocks) * self.G
-                for level in cutlass.range_constexpr(self.L):
+                for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
                         # One vector load of all points of this level per query: the location latency
@@ -468,11 +476,40 @@ class MSDAForward:
         return w00, w01, w10, w11
 
     @cute.jit
+    def gather_level_l1(self, acc, mValue, mStarts, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
+        """All points of one level gathered straight from global memory with 16-byte loads, which L1
+        caches: neighbouring queries of a tile read overlapping footprints."""
+        H, W = size
+        S = mValue.shape[1]
+        e = self.cfg.itemsize
+        pixel_bytes = self.M * self.D * e
+        level_base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + cutlass.Int64(mStarts[level])) * pixel_bytes
+                      + (m * self.D + chunk * self.C) * e)
+        zero = mZero.iterator.toint() + chunk * self.C * e
+        locs = self.level_locations(mLoc, n, q, m, level)
+        attn = cute.make_tensor(mAttn[n, q, m, level, None].iterator, cute.make_layout(self.P)).load()
+        attn = attn.to(cutlass.Float32)
+        for point in cutlass.range_constexpr(self.P):
+            (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+            vals = []
+            for dy in cutlass.range_constexpr(2):
+                for dx in cutlass.range_constexpr(2):
+                    yy = y0 + dy
+                    xx = x0 + dx
+                    ok = yy >= 0 and yy < H and xx >= 0 and xx < W
+                    # A corner outside the level reads zeros, exactly as the original kernel skips it.
+                    addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
+                    ptr = cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+                    vals.append(self.load_vector(ptr))
+            acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+
+    @cute.jit
     def load_vector(self, ptr):
         return cute.make_tensor(ptr, cute.make_layout(self.C)).load().to(cutlass.Float32)
 
     @cute.jit
-    def consumer(self, g, mLoc, mAttn, mOut, storage, sStaged, staged_full, work, tidx):
+    def consumer(self, g, mValue, mStarts, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work, tidx):
         sizes, staged, offsets, used, t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
@@ -516,7 +553,11 @@ class MSDAForward:
                                     pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
                                     vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
                             acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
-                for level in cutlass.range_constexpr(self.L):
+                for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
+                    if not staged[level]:
+                        self.gather_level_l1(acc, mValue, mStarts, mLoc, mAttn, mZero, sizes[level], n, qc, m, level,
+                                             chunk)
+                for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
                         locs = self.level_locations(mLoc, n, qc, m, level)
@@ -564,6 +605,7 @@ def _sym_fake_tensors(cfg: KernelConfig):
         row_major(adt, (n, lq, M, L, P), 16),
         row_major(vdt, (n, lq, M, D), 16),
         row_major(cutlass.Int64, (grid, cfg.num_groups * 2 * L, 16), 128),
+        row_major(vdt, (D,), 16),
     )
 
 
@@ -576,11 +618,66 @@ def compile_kernel(cfg: KernelConfig, extra_options: str = ""):
     )
 
 
+def cache_dir() -> Path | None:
+    """Where compiled kernels are kept between processes: $CUTE_DEFORM_CACHE_DIR, else
+    $XDG_CACHE_HOME/cute_deform (~/.cache/cute_deform). CUTE_DEFORM_CACHE_DIR=off (or empty) disables it."""
+    configured = os.environ.get("CUTE_DEFORM_CACHE_DIR")
+    if configured is None:
+        return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cute_deform"
+    if configured.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    return Path(configured)
+
+
+def cache_key(cfg: KernelConfig) -> str:
+    """Changes with the configuration, the kernel source, the DSL version and the target."""
+    source = Path(__file__).read_bytes()
+    text = repr(dataclasses.astuple(cfg)) + cutlass.__version__ + os.environ.get("CUTE_DSL_ARCH", "sm_90a")
+    return hashlib.sha256(source + text.encode()).hexdigest()[:20]
+
+
+def _load_cached(path: Path, symbol: str):
+    try:
+        return getattr(cutlass.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
+    except Exception:
+        # A corrupt or stale entry (interrupted write, other DSL build): drop it and rebuild.
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _store_cached(fn, path: Path, symbol: str) -> None:
+    """Write to a private file, then rename: concurrent processes never see a partial entry. A cache
+    that cannot be written is skipped, never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".o")
+        os.close(fd)
+    except OSError:
+        return
+    try:
+        fn.export_to_c(tmp, symbol)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def _kernel_for(cfg: KernelConfig):
-    """The compiled kernel for a configuration, compiled once per process."""
+    """The compiled kernel for a configuration: from memory, else from the disk cache, else compiled
+    (and stored)."""
     fn = _compiled.get(cfg)
+    if fn is not None:
+        return fn
+    directory = cache_dir()
+    if directory is not None:
+        key = cache_key(cfg)
+        path, symbol = directory / f"msda_fwd_{key}.o", f"msda_fwd_{key}"
+        if path.exists():
+            fn = _load_cached(path, symbol)
     if fn is None:
-        fn = _compiled[cfg] = compile_kernel(cfg)
+        fn = compile_kernel(cfg)
+        if directory is not None:
+            _store_cached(fn, path, symbol)
+    _compiled[cfg] = fn
     return fn
 
 
@@ -606,6 +703,16 @@ def config_for(value, sampling_locations, attention_weights, **tuning) -> Kernel
         attn_dtype=_TORCH_TO_NAME[attention_weights.dtype],
         num_heads=M, num_levels=L, num_points=P, head_dim=D, **{**TUNING, **tuning},
     )
+
+
+_zero_vectors: dict = {}
+
+
+def _zeros(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (D, dtype, device)
+    if key not in _zero_vectors:
+        _zero_vectors[key] = torch.zeros(D, dtype=dtype, device=device)
+    return _zero_vectors[key]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -637,6 +744,7 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
         _aligned(attention_weights),
         out.view(N, Lq, M, D),
         maps,
+        _zeros(D, value.dtype, device),
         grid,
     )
     return out

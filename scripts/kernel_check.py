@@ -71,8 +71,7 @@ def rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
-def correctness(quick, tunings):
-    bounds = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+def correctness_cases(quick):
     cases = []
     for vdt in (torch.float32, torch.float16, torch.bfloat16):
         for ldt in ((torch.float32,) if quick else (torch.float32, torch.float16)):
@@ -86,6 +85,12 @@ def correctness(quick, tunings):
                       ldt=torch.float32, border=True))
     cases.append(dict(N=2, Lq=3000, M=4, D=64, levels=[(50, 33), (20, 30), (10, 15), (1, 1)], P=4, vdt=torch.float32,
                       ldt=torch.float16, border=True))
+    return cases
+
+
+def correctness(quick, tunings):
+    bounds = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+    cases = correctness_cases(quick)
     worst = 0.0
     failures = 0
     for c in cases:
@@ -129,8 +134,29 @@ def bench(names, tuning):
         print(f"{r[0]:14s} {r[1]:9.1f} {r[2]:11.2f} {r[3]:9.2e} {r[4]:12.2f}")
 
 
+def precompile(quick, check_tunings, bench_tunings, names):
+    """Compile every kernel the run will need into the disk cache, on a machine with no GPU."""
+    configs = set()
+    for c in correctness_cases(quick):
+        value, shapes, starts, loc, attn = make_inputs(N=1, Lq=1, M=c["M"], D=c["D"], levels=c["levels"], P=c["P"],
+                                                       vdt=c["vdt"], ldt=c["ldt"], device="cpu")
+        for tuning in check_tunings:
+            configs.add(msda_fwd.config_for(value, loc, attn, **tuning))
+    for name in names:
+        p = PRESETS[name]
+        value, shapes, starts, loc, attn = make_inputs(N=1, Lq=1, M=8, D=32, levels=p["levels"], P=p["P"],
+                                                       vdt=torch.float16, device="cpu")
+        for tuning in bench_tunings:
+            configs.add(msda_fwd.config_for(value, loc, attn, **tuning))
+    for i, cfg in enumerate(sorted(configs, key=repr)):
+        t0 = time.time()
+        msda_fwd._kernel_for(cfg)
+        print(f"[{i + 1}/{len(configs)}] {time.time() - t0:5.1f} s  {cfg}")
+
+
 def parse_tuning(spec):
-    return {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(":") if kv}
+    pairs = [kv.split("=") for kv in spec.split(":") if kv]
+    return {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
 
 
 if __name__ == "__main__":
@@ -140,12 +166,18 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true", help="a smaller correctness grid")
     ap.add_argument("--check", default=",stage_bytes=0", help="tunings to check for correctness")
     ap.add_argument("--sweep", default="", help="comma list of tunings, e.g. num_groups=2:num_stages=6")
+    ap.add_argument("--precompile", action="store_true", help="only fill the kernel cache (no GPU needed)")
     args = ap.parse_args()
+    tunings = [parse_tuning(spec) for spec in args.sweep.split(",")]
+    check_tunings = [parse_tuning(s) for s in args.check.split(",")]
+    names = [n for n in args.presets.split(",") if n]
+    if args.precompile:
+        precompile(args.quick, [] if args.skip_correctness else check_tunings, tunings, names)
+        sys.exit(0)
     print(torch.cuda.get_device_name())
     torch.manual_seed(0)
-    tunings = [parse_tuning(spec) for spec in args.sweep.split(",")]
-    fails = 0 if args.skip_correctness else correctness(args.quick, [parse_tuning(s) for s in args.check.split(",")])
+    fails = 0 if args.skip_correctness else correctness(args.quick, check_tunings)
     for tuning in tunings:
         print(f"\n== tuning {tuning or 'default'}")
-        bench([n for n in args.presets.split(",") if n], tuning)
+        bench(names, tuning)
     sys.exit(1 if fails else 0)
