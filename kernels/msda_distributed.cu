@@ -75,6 +75,9 @@ __global__ void __launch_bounds__(THREADS, 1) msda_distributed_kernel(
                   src + (int64_t)pixel * pixel_stride + piece * kElemsPerPiece);
     }
     asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+    // The cluster barrier orders everything; the CTA barrier beside it changes nothing but lets compute-sanitizer's
+    // racecheck see the ordering of this CTA's cp.async writes and its own threads' reads.
+    __syncthreads();
     cluster.sync();  // the whole level is now in the cluster's shared memory
 
     if (active) {
@@ -101,6 +104,7 @@ __global__ void __launch_bounds__(THREADS, 1) msda_distributed_kernel(
         for (int k = 0; k < 4; ++k) fma8(acc, w[k], c[k]);
       }
     }
+    __syncthreads();
     cluster.sync();  // no CTA restages, or exits, while a peer may still read its rows
   }
   if (active) store8(out + (((int64_t)n * Lq + q) * M + head) * kDistD + group * 8, acc);

@@ -137,9 +137,18 @@ const char* encode_box_map(CUtensorMap* map, const void* base, int dtype, int64_
                            (cuuint64_t)(image_stride_elems * elem)};
   cuuint32_t box[5] = {(cuuint32_t)D, 1, 2, 2, 1};
   cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode(map, type, 5, const_cast<void*>(base), dims, strides, box, element_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  auto run = [&] {
+    return encode(map, type, 5, const_cast<void*>(base), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  };
+  CUresult r = run();
+  if (r == CUDA_ERROR_INVALID_CONTEXT) {
+    // A thread that has made no runtime call yet has no current context (the driver call needs one):
+    // cudaFree(nullptr) binds the device's primary context to this thread.
+    cudaFree(nullptr);
+    r = run();
+  }
   if (r != CUDA_SUCCESS)
     return plain_message("cuTensorMapEncodeTiled failed with CUresult " + std::to_string((int)r) + " (N=" +
                          std::to_string(N) + " H=" + std::to_string(H) + " W=" + std::to_string(W) + ")");

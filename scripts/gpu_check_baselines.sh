@@ -43,6 +43,18 @@ step compare 240 python3 scripts/compare.py --no-progress --csv "$OUT/compare.cs
     --impls classic-fp32,classic,vec,tile2x2,tma,distributed,grid_sample
 # cute separately: an untested kernel that hangs must not cost the baselines' table
 step compare-cute 120 python3 scripts/compare.py --no-progress --impls classic-fp32,classic,cute
+# other value dtypes, and odd shapes (H or W = 1, one level, P = 1, D = 64, locations past the borders)
+step dtypes 100 bash -c 'for dt in fp32 bf16; do python3 scripts/compare.py --no-progress --dtype $dt \
+    --presets dcnv4-test,detr-decoder --impls classic,vec,tile2x2,tma,distributed || exit 1; done'
+step odd-shapes 100 bash -c 'set -e; for dt in fp32 fp16 bf16; do
+    python3 scripts/compare.py --no-progress --no-time --dtype $dt --levels 1x1,1x7,5x1,3x3 --N 3 --Lq 50 --P 5 \
+        --locations uniform --impls classic,vec,tile2x2,tma,distributed
+    python3 scripts/compare.py --no-progress --no-time --dtype $dt --levels 33x17 --N 2 --Lq 300 --P 1 \
+        --impls classic,vec,tile2x2,tma,distributed
+    python3 scripts/compare.py --no-progress --no-time --dtype $dt --levels 20x30,10x15,5x8,3x4,2x2 --N 2 --Lq 97 \
+        --P 16 --impls classic,vec,tile2x2,tma,distributed
+    python3 scripts/compare.py --no-progress --no-time --dtype $dt --levels 12x13,6x7 --N 2 --Lq 64 --P 4 --D 64 \
+        --M 3 --impls classic,vec; done'
 step ncu 120 python3 scripts/compare.py --presets dcnv4-test --ncu vec,tma
 step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
     --no-time --levels 9x11,5x6,1x3 --N 2 --Lq 70 --P 3 --impls classic,vec,tile2x2,tma,distributed
@@ -66,6 +78,9 @@ step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 
     echo "---- compare"
     grep -E "^\[|reference" "$STEP_LOGS/compare.log" 2>/dev/null | head -8
     sed -n '/^results:/,$p' "$STEP_LOGS/compare.log" 2>/dev/null
+    echo "---- other dtypes and odd shapes"
+    grep -E "^(dcnv4-test|detr-decoder|custom) " "$STEP_LOGS/dtypes.log" "$STEP_LOGS/odd-shapes.log" 2>/dev/null \
+        | sed 's|/tmp/gpu_check_steps/||' | cut -c1-120
     echo "---- compare with cute"
     sed -n '/^results:/,$p' "$STEP_LOGS/compare-cute.log" 2>/dev/null | grep -v -E "^ *$" | grep -E "cute|results|preset|---|classic-fp32|HANG|hung"
 } 2>&1 | tee -a "$LOG"

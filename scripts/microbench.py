@@ -56,9 +56,11 @@ def box_reference(value, coords):
 def section_tma(ext, log) -> bool:
     ok = True
     g = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = [(torch.float16, 32), (torch.bfloat16, 32), (torch.float32, 32), (torch.float16, 64), (torch.float16, 16)]
-    for dtype, D in cases:
-        N, H, W, M = 3, 13, 19, 8
+    cases = [(torch.float16, 32, 13, 19), (torch.bfloat16, 32, 13, 19), (torch.float32, 32, 13, 19),
+             (torch.float16, 64, 13, 19), (torch.float16, 16, 13, 19), (torch.float16, 32, 1, 1),
+             (torch.float32, 32, 1, 5)]
+    for dtype, D, H, W in cases:
+        N, M = 3, 8
         value = torch.randn(N, H, W, M, D, device="cuda", generator=g).to(dtype)
         K = 8192
         coords = torch.stack([
@@ -72,15 +74,20 @@ def section_tma(ext, log) -> bool:
                              dtype=torch.int32, device="cuda")
         coords = torch.cat([edges, coords]).contiguous()
         out = torch.full((coords.shape[0], 2, 2, D), float("nan"), dtype=dtype, device="cuda")
-        ext.tma_box_check(value, coords, out, stream())
-        torch.cuda.synchronize()
+        try:
+            ext.tma_box_check(value, coords, out, stream())
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            log(f"  {str(dtype).replace('torch.', ''):9s} D={D:3d} H={H:2d} W={W:2d}: FAILED: {str(exc).splitlines()[0][:160]}")
+            ok = False
+            continue
         ref = box_reference(value, coords)
         bits = torch.int32 if dtype == torch.float32 else torch.int16
         exact = torch.equal(out.view(bits), ref.view(bits))
         wholly_out = ((coords[:, 2] < -1) | (coords[:, 2] >= W) | (coords[:, 3] < -1) | (coords[:, 3] >= H))
         partial = ((coords[:, 2] == -1) | (coords[:, 2] == W - 1) | (coords[:, 3] == -1) | (coords[:, 3] == H - 1))
         zero_ok = bool((out[wholly_out] == 0).all().item())
-        log(f"  {str(dtype).replace('torch.', ''):9s} D={D:3d}: {coords.shape[0]} boxes ({int(wholly_out.sum())} wholly "
+        log(f"  {str(dtype).replace('torch.', ''):9s} D={D:3d} H={H:2d} W={W:2d}: {coords.shape[0]} boxes ({int(wholly_out.sum())} wholly "
             f"outside, {int((partial & ~wholly_out).sum())} partly outside, negative coords included): "
             f"exact match {exact}, wholly-outside boxes all zero {zero_ok}")
         ok &= exact and zero_ok
