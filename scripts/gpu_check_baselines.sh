@@ -55,7 +55,7 @@ step odd-shapes 100 bash -c 'set -e; for dt in fp32 fp16 bf16; do
         --P 16 --impls classic,vec,tile2x2,tma,distributed
     python3 scripts/compare.py --no-progress --no-time --dtype $dt --levels 12x13,6x7 --N 2 --Lq 64 --P 4 --D 64 \
         --M 3 --impls classic,vec; done'
-step ncu 120 python3 scripts/compare.py --presets dcnv4-test --ncu vec,tma
+step ncu 120 python3 scripts/compare.py --presets dcnv4-test --ncu classic,vec,tile2x2,tma,distributed
 step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
     --no-time --levels 9x11,5x6,1x3 --N 2 --Lq 70 --P 3 --impls classic,vec,tile2x2,tma,distributed
 step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
@@ -69,7 +69,7 @@ step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 
     grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|results:|MISMATCH|FAILED" "$STEP_LOGS/memcheck.log" "$STEP_LOGS/racecheck.log" 2>/dev/null
     echo "---- ncu (dcnv4-test)"
     grep -E "profiling|msda_|gpu__time_duration|dram__|l1tex__throughput|lts__throughput|sm__throughput|==ERROR" \
-        "$STEP_LOGS/ncu.log" 2>/dev/null | head -40
+        "$STEP_LOGS/ncu.log" 2>/dev/null | sed -E "s/\(const .*\)/(...)/" | head -60
     echo "---- distributed under the watchdog"
     grep -E "cluster +[0-9]+ CTAs|HANG|FAILED|microbench:" "$STEP_LOGS/cluster-watchdog.log" 2>/dev/null
     echo "---- microbench"
