@@ -38,7 +38,7 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
 }
 
 template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS, 1) msda_distributed_kernel(
+__global__ void __launch_bounds__(THREADS, THREADS == 256 ? 2 : 1) msda_distributed_kernel(
     const __grid_constant__ DistLevels levels, const T* __restrict__ value, const float* __restrict__ loc,
     const float* __restrict__ attn, T* __restrict__ out, int S, int Lq, int M, int L, int P) {
   constexpr int kQueries = THREADS / kDistGroups;  // queries per CTA
@@ -83,25 +83,37 @@ __global__ void __launch_bounds__(THREADS, 1) msda_distributed_kernel(
     if (active) {
       const float2* level_loc = reinterpret_cast<const float2*>(loc) + sample0 + level * P;
       const float* level_attn = attn + sample0 + level * P;
-      for (int point = 0; point < P; ++point) {
-        const float2 xy = __ldg(level_loc + point);
-        const Footprint f = footprint(xy.x, xy.y, H, W, __ldg(level_attn + point));
-        if (!f.valid) continue;
-        Chunk8<T> c[4];
-        float w[4] = {f.w00, f.w01, f.w10, f.w11};
+      // Points in groups, all corner loads of a group issued before any FMA: the gathers are latency-bound
+      // (remote shared memory), so several must be in flight per thread.
+      constexpr int kGroup = sizeof(T) == 4 ? 2 : 4;
+      for (int first = 0; first < P; first += kGroup) {
+        Chunk8<T> c[kGroup][4];
+        float w[kGroup][4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int y = f.y0 + (k >> 1), x = f.x0 + (k & 1);
-          if (inside(y, x, H, W)) {
-            const int owner = y / R;
-            const T* remote = cluster.map_shared_rank(rows_here, owner);
-            c[k] = load8_generic(remote + ((y - owner * R) * W + x) * kDistD + group * 8);
-          } else {
-            c[k] = zero8<T>();
+        for (int j = 0; j < kGroup; ++j) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) { c[j][k] = zero8<T>(); w[j][k] = 0.f; }
+          if (first + j < P) {
+            const float2 xy = __ldg(level_loc + first + j);
+            const Footprint f = footprint(xy.x, xy.y, H, W, __ldg(level_attn + first + j));
+            if (f.valid) {
+              w[j][0] = f.w00; w[j][1] = f.w01; w[j][2] = f.w10; w[j][3] = f.w11;
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int y = f.y0 + (k >> 1), x = f.x0 + (k & 1);
+                if (inside(y, x, H, W)) {
+                  const int owner = y / R;
+                  const T* remote = cluster.map_shared_rank(rows_here, owner);
+                  c[j][k] = load8_generic(remote + ((y - owner * R) * W + x) * kDistD + group * 8);
+                }
+              }
+            }
           }
         }
 #pragma unroll
-        for (int k = 0; k < 4; ++k) fma8(acc, w[k], c[k]);
+        for (int j = 0; j < kGroup; ++j)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) fma8(acc, w[j][k], c[j][k]);
       }
     }
     __syncthreads();

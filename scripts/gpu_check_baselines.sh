@@ -58,15 +58,19 @@ step odd-shapes 100 bash -c 'set -e; for dt in fp32 fp16 bf16; do
 step ncu 120 python3 scripts/compare.py --presets dcnv4-test --ncu classic,vec,tile2x2,tma,distributed
 step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
     --no-time --levels 9x11,5x6,1x3 --N 2 --Lq 70 --P 3 --impls classic,vec,tile2x2,tma,distributed
-step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/compare.py --no-progress \
-    --no-time --levels 9x11,5x6 --N 1 --Lq 40 --P 2 --impls tile2x2,tma,distributed
+# racecheck: tile2x2 and tma, then distributed with clusters of 1 (no remote reads) and 2 (reads through DSMEM)
+step racecheck 120 bash -c 'rc=0; for run in "tile2x2,tma 0" "distributed 1" "distributed 2"; do set -- $run
+    echo "racecheck run: impls $1 cluster size $2"
+    compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/compare.py --no-progress --no-time \
+        --levels 9x11,5x6 --N 1 --Lq 40 --P 2 --impls $1 --cluster-size $2 || rc=9; done; exit $rc'
 
 {
     echo
     echo "================ summary ================"
     printf '%s\n' "${STEPS[@]}"
     echo "---- sanitizers"
-    grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|results:|MISMATCH|FAILED" "$STEP_LOGS/memcheck.log" "$STEP_LOGS/racecheck.log" 2>/dev/null
+    grep -h -E "ERROR SUMMARY|RACECHECK SUMMARY|racecheck run|Race reported|MISMATCH|FAILED" "$STEP_LOGS/memcheck.log" \
+        "$STEP_LOGS/racecheck.log" 2>/dev/null
     echo "---- ncu (dcnv4-test)"
     grep -E "profiling|msda_|gpu__time_duration|dram__|l1tex__throughput|lts__throughput|sm__throughput|==ERROR" \
         "$STEP_LOGS/ncu.log" 2>/dev/null | sed -E "s/\(const .*\)/(...)/" | head -60
