@@ -24,6 +24,7 @@ import torch
 
 try:
     import cutlass
+    import cutlass.memory
     import cutlass.cute as cute
     import cutlass.runtime
     from cutlass.cute.nvgpu import cpasync
@@ -111,8 +112,18 @@ class KernelConfig:
         return px // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
 
     @property
+    def threads(self) -> int:
+        producers = self.num_groups if self.fine_gather == "tma" else 1
+        return (self.num_groups * CONSUMER_WARPS + producers) * 32
+
+    @property
+    def ring_slots(self) -> int:
+        """Stages of all groups' rings; L1 gathers use no ring (one placeholder slot)."""
+        return self.num_groups * self.num_stages if self.fine_gather == "tma" else 1
+
+    @property
     def smem_bytes(self) -> int:
-        ring = self.num_groups * self.num_stages * self.queries_per_tile * self.box_bytes
+        ring = self.ring_slots * self.queries_per_tile * self.box_bytes
         staged = (self.stage_pixels + 1) * self.head_dim * self.itemsize
         return ring + staged + 2 * self.num_levels * TENSORMAP_BYTES + 1024
 
@@ -143,8 +154,11 @@ class MSDAForward:
         self.stage_pixels = config.stage_pixels
         self.boxes_per_lane = (self.G + 31) // 32
         self.ring_levels = config.fine_gather == "tma"
+        self.ring_shape = (self.G * 4 * self.D, self.stages, self.groups) if self.ring_levels else (self.G * 4 * self.D, 1, 1)
         self.consumer_threads = CONSUMER_WARPS * 32
-        self.threads = self.groups * (CONSUMER_WARPS + 1) * 32
+        # A producer warp per group feeds its ring; with L1 gathers one producer warp only stages.
+        self.producer_warps = self.groups if self.ring_levels else 1
+        self.threads = (self.groups * CONSUMER_WARPS + self.producer_warps) * 32
 
     @cute.jit
     def __call__(
@@ -186,9 +200,7 @@ class MSDAForward:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
             staged_full: cute.struct.MemRange[cutlass.Int64, 2]
             maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L * self.groups], 128]
-            ring: cute.struct.Align[
-                cute.struct.MemRange[self.value_dtype, self.groups * self.stages * self.G * 4 * D], 128
-            ]
+            ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, self.cfg.ring_slots * self.G * 4 * D], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
 
         self.shared_storage = SharedStorage
@@ -221,7 +233,7 @@ class MSDAForward:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         D = self.D
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
 
@@ -246,7 +258,7 @@ class MSDAForward:
 
         # Which levels are staged, and where: coarsest first while they fit. Every thread computes the
         # same from spatial_shapes.
-        sizes = [self.level_size(mShapes, level) for level in range(self.L)]
+        sizes, starts, levels_ok = self.level_table(mShapes, mStarts, mValue.shape[1])
         staged = [cutlass.Boolean(False)] * self.L
         offsets = [cutlass.Int32(0)] * self.L
         used = cutlass.Int32(0)
@@ -268,7 +280,7 @@ class MSDAForward:
         rank = cutlass.Int32(0)
         if cutlass.const_expr(self.cluster > 1):
             rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
-        work = (sizes, staged, offsets, used, t_begin, t_end, blocks, rank)
+        work = (sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank)
 
         consumer_warps = self.groups * CONSUMER_WARPS
         if warp >= consumer_warps:
@@ -281,8 +293,24 @@ class MSDAForward:
                           tidx - g * self.consumer_threads)
 
     @cute.jit
-    def level_size(self, mShapes: cute.Tensor, level: int):
-        return cutlass.Int32(mShapes[level, 0]), cutlass.Int32(mShapes[level, 1])
+    def level_table(self, mShapes: cute.Tensor, mStarts: cute.Tensor, S):
+        """(H, W) and first pixel of every level, read on the device. A level that does not fit in value
+        (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) is
+        replaced by a 1x1 level at pixel 0, so nothing is read out of bounds, and levels_ok turns False:
+        the outputs are then written as NaN rather than as a silently wrong answer."""
+        sizes = []
+        starts = []
+        levels_ok = cutlass.Boolean(True)
+        for level in cutlass.range_constexpr(self.L):
+            H = cutlass.Int64(mShapes[level, 0])
+            W = cutlass.Int64(mShapes[level, 1])
+            start = cutlass.Int64(mStarts[level])
+            ok = H >= 1 and W >= 1 and start >= 0 and H <= S and W <= S and start + H * W <= S
+            levels_ok = levels_ok and ok
+            one = cutlass.Int64(1)
+            sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
+            starts.append(cutlass.select_(ok, start, cutlass.Int64(0)))
+        return sizes, starts, levels_ok
 
     @cute.jit
     def segment_sync(self):
@@ -320,12 +348,12 @@ class MSDAForward:
     @cute.jit
     def producer(self, g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage, staged_full,
                  work, bidx):
-        sizes, staged, offsets, used, t_begin, t_end, blocks, rank = work
+        sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
         sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L * self.groups)))
-        sRing = storage.ring.get_tensor(cute.make_layout((self.G * 4 * D, self.stages, self.groups)))
+        sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
         F = prims.TensormapField
 
@@ -333,7 +361,7 @@ class MSDAForward:
         stage_maps = []
         for level in cutlass.range_constexpr(self.L):
             H, W = sizes[level]
-            base = mValue.iterator.toint() + cutlass.Int64(mStarts[level]) * (M * D * e)
+            base = mValue.iterator.toint() + starts[level] * (M * D * e)
             # Each group publishes its own copy: no two warps ever patch the same map.
             box_maps.append(self.publish_map(box_template, 2 * self.L * g + level, mDesc, sMaps, bidx, [
                 (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, W, 2), (F.GLOBAL_DIM, H, 3),
@@ -354,7 +382,8 @@ class MSDAForward:
             if g == 0:
                 self.stage_levels(stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank)
             first = t + rank * self.groups + g
-            for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+            for tile in cutlass.range(first, seg_end if self.ring_levels else first, self.groups * self.cluster,
+                                      unroll=1):
                 q0 = cutlass.Int32(tile - nm * blocks) * self.G
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
@@ -381,7 +410,7 @@ class MSDAForward:
             t = seg_end
             segment += 1
         # Leave only once the consumers have released every stage (no TMA still in flight at exit).
-        for _ in cutlass.range(self.stages, unroll=1):
+        for _ in cutlass.range(self.stages if self.ring_levels else 0, unroll=1):
             self.producer_acquire(storage, g, index, phase)
             index, phase = self.advance(index, phase)
 
@@ -476,14 +505,14 @@ class MSDAForward:
         return w00, w01, w10, w11
 
     @cute.jit
-    def gather_level_l1(self, acc, mValue, mStarts, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
+    def gather_level_l1(self, acc, mValue, start, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
         """All points of one level gathered straight from global memory with 16-byte loads, which L1
         caches: neighbouring queries of a tile read overlapping footprints."""
         H, W = size
         S = mValue.shape[1]
         e = self.cfg.itemsize
         pixel_bytes = self.M * self.D * e
-        level_base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + cutlass.Int64(mStarts[level])) * pixel_bytes
+        level_base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                       + (m * self.D + chunk * self.C) * e)
         zero = mZero.iterator.toint() + chunk * self.C * e
         locs = self.level_locations(mLoc, n, q, m, level)
@@ -510,12 +539,12 @@ class MSDAForward:
 
     @cute.jit
     def consumer(self, g, mValue, mStarts, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work, tidx):
-        sizes, staged, offsets, used, t_begin, t_end, blocks, rank = work
+        sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
         slot = tidx // self.T
         chunk = tidx % self.T
-        sRing = storage.ring.get_tensor(cute.make_layout((self.G * 4 * D, self.stages, self.groups)))
+        sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
         zero_pixel = cutlass.Int32(self.stage_pixels)
         index = cutlass.Int32(0)
         phase = cutlass.Int32(0)
@@ -555,8 +584,8 @@ class MSDAForward:
                             acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
                 for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
                     if not staged[level]:
-                        self.gather_level_l1(acc, mValue, mStarts, mLoc, mAttn, mZero, sizes[level], n, qc, m, level,
-                                             chunk)
+                        self.gather_level_l1(acc, mValue, starts[level], mLoc, mAttn, mZero, sizes[level], n, qc, m,
+                                             level, chunk)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
@@ -578,6 +607,8 @@ class MSDAForward:
                             self.consumer_release(storage, g, index)
                             index, phase = self.advance(index, phase)
                 if q < Lq:
+                    if not levels_ok:
+                        acc.fill(cutlass.Float32(float("nan")))
                     out = cute.make_tensor(mOut[n, q, m, None].iterator + chunk * C, cute.make_layout(C))
                     out.store(acc.load().to(mOut.element_type))
             t = seg_end
@@ -616,6 +647,27 @@ def compile_kernel(cfg: KernelConfig, extra_options: str = ""):
         MSDAForward(cfg), *_sym_fake_tensors(cfg), cutlass.Int32(1),
         make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {extra_options}".strip(),
     )
+
+
+def _compile_into_cache(cfg: KernelConfig) -> str:
+    _kernel_for(cfg)
+    return repr(cfg)
+
+
+def precompile(configs, jobs: int | None = None) -> None:
+    """Compile configurations into the disk cache in parallel processes (each compile is single
+    threaded). Later processes, and this one, then load them in milliseconds."""
+    import concurrent.futures
+    import multiprocessing
+
+    todo = [cfg for cfg in dict.fromkeys(configs) if cfg not in _compiled]
+    if cache_dir() is None or len(todo) <= 1:
+        for cfg in todo:
+            _kernel_for(cfg)
+        return
+    jobs = jobs or max(1, min(len(todo), (os.cpu_count() or 2)))
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_into_cache, todo))
 
 
 def cache_dir() -> Path | None:
@@ -684,7 +736,7 @@ def _kernel_for(cfg: KernelConfig):
 SMEM_PER_SM = 227 * 1024
 _sm_count: dict = {}
 # Defaults of the configuration knobs that are not part of the problem (see docs/performance.md).
-TUNING = dict(num_stages=6, num_groups=2, stage_bytes=96 * 1024, cluster_size=1)
+TUNING = dict(fine_gather="ldg", num_groups=7, num_stages=4, stage_bytes=96 * 1024, cluster_size=2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -732,7 +784,7 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
     if out.numel() == 0:
         return out
     num_tiles = N * M * math.ceil(Lq / cfg.queries_per_tile)
-    ctas_per_sm = max(1, SMEM_PER_SM // cfg.smem_bytes)
+    ctas_per_sm = max(1, min(SMEM_PER_SM // cfg.smem_bytes, 2048 // cfg.threads))
     grid = min(num_tiles, _num_sms(device) * ctas_per_sm)
     grid = (grid + cfg.cluster_size - 1) // cfg.cluster_size * cfg.cluster_size
     maps = torch.empty((grid, cfg.num_groups * 2 * L, 16), dtype=torch.int64, device=device)
