@@ -385,6 +385,10 @@ class MSDAForward:
             for tile in cutlass.range(first, seg_end if self.ring_levels else first, self.groups * self.cluster,
                                       unroll=1):
                 q0 = cutlass.Int32(tile - nm * blocks) * self.G
+                if cutlass.const_expr(not self.ring_levels):
+                    # Staged levels last: the staging load of a new segment overlaps the L1 gathers.
+                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
+                                       m, chunk)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
@@ -505,6 +509,32 @@ class MSDAForward:
         return w00, w01, w10, w11
 
     @cute.jit
+    def gather_staged(self, acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, q, m, chunk):
+        """All points of the staged levels, read from shared memory; an out-of-level corner reads the
+        zero pixel. Waits (once per segment, then free) for the segment's staging to land."""
+        D, C = self.D, self.C
+        zero_pixel = cutlass.Int32(self.stage_pixels)
+        cute.arch.mbarrier_wait(staged_full, segment % 2)
+        for level in cutlass.range_constexpr(self.L):
+            if staged[level]:
+                H, W = sizes[level]
+                locs = self.level_locations(mLoc, n, q, m, level)
+                attn = cute.make_tensor(mAttn[n, q, m, level, None].iterator, cute.make_layout(self.P))
+                attn = attn.load().to(cutlass.Float32)
+                for point in cutlass.range_constexpr(self.P):
+                    (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
+                    w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+                    vals = []
+                    for dy in cutlass.range_constexpr(2):
+                        for dx in cutlass.range_constexpr(2):
+                            yy = y0 + dy
+                            xx = x0 + dx
+                            ok = yy >= 0 and yy < H and xx >= 0 and xx < W
+                            pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
+                            vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
+                    acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+
+    @cute.jit
     def gather_level_l1(self, acc, mValue, start, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
         """All points of one level gathered straight from global memory with 16-byte loads, which L1
         caches: neighbouring queries of a tile read overlapping footprints."""
@@ -545,7 +575,6 @@ class MSDAForward:
         slot = tidx // self.T
         chunk = tidx % self.T
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
-        zero_pixel = cutlass.Int32(self.stage_pixels)
         index = cutlass.Int32(0)
         phase = cutlass.Int32(0)
         t = t_begin
@@ -556,32 +585,16 @@ class MSDAForward:
             n = cutlass.Int32(nm // self.M)
             m = cutlass.Int32(nm % self.M)
             self.segment_sync()
-            cute.arch.mbarrier_wait(staged_full, segment % 2)
             first = t + rank * self.groups + g
             for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
                 q = cutlass.Int32(tile - nm * blocks) * self.G + slot
                 qc = cutlass.min(q, Lq - 1)
                 acc = cute.make_rmem_tensor(cute.make_layout(C), cutlass.Float32)
                 acc.fill(0.0)
-                # Staged levels first: they need no wait, and overlap the boxes of the others in flight.
-                for level in cutlass.range_constexpr(self.L):
-                    if staged[level]:
-                        H, W = sizes[level]
-                        locs = self.level_locations(mLoc, n, qc, m, level)
-                        attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P))
-                        attn = attn.load().to(cutlass.Float32)
-                        for point in cutlass.range_constexpr(self.P):
-                            (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-                            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
-                            vals = []
-                            for dy in cutlass.range_constexpr(2):
-                                for dx in cutlass.range_constexpr(2):
-                                    yy = y0 + dy
-                                    xx = x0 + dx
-                                    ok = yy >= 0 and yy < H and xx >= 0 and xx < W
-                                    pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
-                                    vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
-                            acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+                if cutlass.const_expr(self.ring_levels):
+                    # Staged levels first: they overlap the boxes of the other levels in flight.
+                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
+                                       m, chunk)
                 for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
                     if not staged[level]:
                         self.gather_level_l1(acc, mValue, starts[level], mLoc, mAttn, mZero, sizes[level], n, qc, m,
