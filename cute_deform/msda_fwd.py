@@ -385,10 +385,6 @@ class MSDAForward:
             for tile in cutlass.range(first, seg_end if self.ring_levels else first, self.groups * self.cluster,
                                       unroll=1):
                 q0 = cutlass.Int32(tile - nm * blocks) * self.G
-                if cutlass.const_expr(not self.ring_levels):
-                    # Staged levels last: the staging load of a new segment overlaps the L1 gathers.
-                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
-                                       m, chunk)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
@@ -619,6 +615,10 @@ class MSDAForward:
                             cute.arch.sync_warp()
                             self.consumer_release(storage, g, index)
                             index, phase = self.advance(index, phase)
+                if cutlass.const_expr(not self.ring_levels):
+                    # Staged levels last: the staging load of a new segment overlaps the L1 gathers.
+                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
+                                       m, chunk)
                 if q < Lq:
                     if not levels_ok:
                         acc.fill(cutlass.Float32(float("nan")))
