@@ -38,6 +38,7 @@ except Exception as exc:  # the package works without the DSL, through the refer
     _DSL_ERROR = exc
 
 CONSUMER_WARPS = 4
+TARGET_ARCH = "sm_90a"  # every kernel is built for Hopper, whatever GPU (or none) the compiling machine has
 STAGE_BOX_PIXELS = 64  # pixels per TMA box when staging a whole level
 TENSORMAP_BYTES = 128
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128)
@@ -55,17 +56,17 @@ def available() -> bool:
 def check_supported(value: torch.Tensor, num_levels: int, num_points: int) -> None:
     """Raise ValueError naming the argument when the kernel cannot run this configuration."""
     if value.dtype not in _TORCH_TO_NAME:
-        raise ValueError(f"value: dtype {value.dtype} is not supported; expected float32, float16 or bfloat16")
+        raise ValueError(f"cute_deform: value: dtype {value.dtype} is not supported; expected float32, float16 or bfloat16")
     head_dim = value.shape[-1]
     if head_dim not in SUPPORTED_HEAD_DIMS or head_dim * value.element_size() < 16:
         raise ValueError(
-            f"value: head dim D={head_dim} with {value.dtype} is not supported by the Hopper kernel; "
+            f"cute_deform: value: head dim D={head_dim} with {value.dtype} is not supported by the Hopper kernel; "
             f"expected D in {SUPPORTED_HEAD_DIMS} with D*itemsize >= 16 bytes"
         )
     if not 1 <= num_levels <= MAX_LEVELS:
-        raise ValueError(f"spatial_shapes: {num_levels} levels; the Hopper kernel supports 1 to {MAX_LEVELS}")
+        raise ValueError(f"cute_deform: spatial_shapes: {num_levels} levels; the Hopper kernel supports 1 to {MAX_LEVELS}")
     if not 1 <= num_points <= MAX_POINTS:
-        raise ValueError(f"sampling_locations: {num_points} points; the Hopper kernel supports 1 to {MAX_POINTS}")
+        raise ValueError(f"cute_deform: sampling_locations: {num_points} points; the Hopper kernel supports 1 to {MAX_POINTS}")
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,16 @@ class MSDAForward:
         work = (sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank)
 
         consumer_warps = self.groups * CONSUMER_WARPS
+        self.run_roles(warp, consumer_warps, box_template, stage_template, mValue, mStarts, mLoc, mAttn, mOut, mDesc,
+                       mZero, storage, sStaged, staged_full, work, bidx, tidx)
+        if cutlass.const_expr(self.cluster > 1):
+            # Neither CTA of a pair exits while the other may still multicast into it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def run_roles(self, warp, consumer_warps, box_template, stage_template, mValue, mStarts, mLoc, mAttn, mOut, mDesc,
+                  mZero, storage, sStaged, staged_full, work, bidx, tidx):
         if warp >= consumer_warps:
             g = warp - consumer_warps
             self.producer(g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage,
@@ -305,7 +316,7 @@ class MSDAForward:
             H = cutlass.Int64(mShapes[level, 0])
             W = cutlass.Int64(mShapes[level, 1])
             start = cutlass.Int64(mStarts[level])
-            ok = H >= 1 and W >= 1 and start >= 0 and H <= S and W <= S and start + H * W <= S
+            ok = H >= 1 and W >= 1 and H <= S and W <= S and start >= 0 and start <= S - H * W
             levels_ok = levels_ok and ok
             one = cutlass.Int64(1)
             sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
@@ -413,6 +424,10 @@ class MSDAForward:
         for _ in cutlass.range(self.stages if self.ring_levels else 0, unroll=1):
             self.producer_acquire(storage, g, index, phase)
             index, phase = self.advance(index, phase)
+        # ... and once the last staging has landed: a group with no tile in the last segment never
+        # waits for it, and a CTA must not exit with TMA (or a peer's multicast) still writing into it.
+        if g == 0 and segment > 0:
+            cute.arch.mbarrier_wait(staged_full, (segment - 1) % 2)
 
     @cute.jit
     def stage_levels(self, stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank):
@@ -490,19 +505,29 @@ class MSDAForward:
 
     @cute.jit
     def corner_weights(self, h, w, inside, a):
-        """Bilinear weights of the four corners times the attention weight; all zero outside."""
+        """Bilinear weights of the four corners, and the attention weight, zero for a skipped sample
+        (so that a NaN or inf weight of a skipped sample adds nothing, as in the original kernel)."""
         lw = w - cute.math.floor(w)
         lh = h - cute.math.floor(h)
         w00 = cutlass.Float32(0.0)
         w01 = cutlass.Float32(0.0)
         w10 = cutlass.Float32(0.0)
         w11 = cutlass.Float32(0.0)
+        a_inside = cutlass.Float32(0.0)
         if inside:
-            w00 = (1.0 - lh) * (1.0 - lw) * a
-            w01 = (1.0 - lh) * lw * a
-            w10 = lh * (1.0 - lw) * a
-            w11 = lh * lw * a
-        return w00, w01, w10, w11
+            w00 = (1.0 - lh) * (1.0 - lw)
+            w01 = (1.0 - lh) * lw
+            w10 = lh * (1.0 - lw)
+            w11 = lh * lw
+            a_inside = a
+        return w00, w01, w10, w11, a_inside
+
+    @cute.jit
+    def accumulate(self, acc, weights, v00, v01, v10, v11):
+        """acc += a * bilinear: the attention weight multiplies the interpolated vector once, in the
+        original kernel's order, so an inf weight gives inf (not NaN) where the original does."""
+        w00, w01, w10, w11, a = weights
+        acc.store(acc.load() + a * (w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11))
 
     @cute.jit
     def gather_staged(self, acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, q, m, chunk):
@@ -519,7 +544,7 @@ class MSDAForward:
                 attn = attn.load().to(cutlass.Float32)
                 for point in cutlass.range_constexpr(self.P):
                     (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-                    w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+                    weights = self.corner_weights(h, w, inside, attn[point])
                     vals = []
                     for dy in cutlass.range_constexpr(2):
                         for dx in cutlass.range_constexpr(2):
@@ -528,7 +553,7 @@ class MSDAForward:
                             ok = yy >= 0 and yy < H and xx >= 0 and xx < W
                             pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
                             vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
-                    acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+                    self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
 
     @cute.jit
     def gather_level_l1(self, acc, mValue, start, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
@@ -546,7 +571,7 @@ class MSDAForward:
         attn = attn.to(cutlass.Float32)
         for point in cutlass.range_constexpr(self.P):
             (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+            weights = self.corner_weights(h, w, inside, attn[point])
             vals = []
             for dy in cutlass.range_constexpr(2):
                 for dx in cutlass.range_constexpr(2):
@@ -557,7 +582,7 @@ class MSDAForward:
                     addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
                     ptr = cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
                     vals.append(self.load_vector(ptr))
-            acc.store(acc.load() + w00 * vals[0] + w01 * vals[1] + w10 * vals[2] + w11 * vals[3])
+            self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
 
     @cute.jit
     def load_vector(self, ptr):
@@ -603,14 +628,14 @@ class MSDAForward:
                         attn = attn.load().to(cutlass.Float32)
                         for point in cutlass.range_constexpr(self.P):
                             (h, w, inside), _, _ = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-                            w00, w01, w10, w11 = self.corner_weights(h, w, inside, attn[point])
+                            weights = self.corner_weights(h, w, inside, attn[point])
                             cute.arch.mbarrier_wait(self.full_barrier(storage, g, index), phase)
                             box = sRing[None, index, g].iterator + slot * (4 * D) + chunk * C
                             v00 = self.load_vector(box)
                             v01 = self.load_vector(box + D)
                             v10 = self.load_vector(box + 2 * D)
                             v11 = self.load_vector(box + 3 * D)
-                            acc.store(acc.load() + w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11)
+                            self.accumulate(acc, weights, v00, v01, v10, v11)
                             # Release after the loads are consumed: in-order issue means they completed.
                             cute.arch.sync_warp()
                             self.consumer_release(storage, g, index)
@@ -658,7 +683,8 @@ def compile_kernel(cfg: KernelConfig, extra_options: str = ""):
     compiles anywhere, and extra_options="--keep-ptx --dump-dir=DIR" writes the PTX."""
     return cute.compile(
         MSDAForward(cfg), *_sym_fake_tensors(cfg), cutlass.Int32(1),
-        make_fake_stream(use_tvm_ffi_env_stream=True), options=f"--enable-tvm-ffi {extra_options}".strip(),
+        make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--enable-tvm-ffi --gpu-arch={TARGET_ARCH} {extra_options}".strip(),
     )
 
 
@@ -697,7 +723,7 @@ def cache_dir() -> Path | None:
 def cache_key(cfg: KernelConfig) -> str:
     """Changes with the configuration, the kernel source, the DSL version and the target."""
     source = Path(__file__).read_bytes()
-    text = repr(dataclasses.astuple(cfg)) + cutlass.__version__ + os.environ.get("CUTE_DSL_ARCH", "sm_90a")
+    text = repr(dataclasses.astuple(cfg)) + cutlass.__version__ + TARGET_ARCH
     return hashlib.sha256(source + text.encode()).hexdigest()[:20]
 
 
@@ -787,6 +813,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
     """Run the kernel on validated CUDA tensors on an sm_90 device; returns (N, Lq, M*D) in value's dtype."""
+    with torch.cuda.device(value.device):  # the launch goes to the current stream of value's device
+        return _launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning)
+
+
+def _launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
     N, S, M, D = value.shape
     Lq = sampling_locations.shape[1]
     L = sampling_locations.shape[3]

@@ -14,6 +14,7 @@ The op is forward only; backpropagating through it raises.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 
@@ -54,6 +55,28 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     )
 
 
+_DEVICE_LEVEL_TABLES: "collections.OrderedDict" = collections.OrderedDict()
+
+
+def _level_tables_on(device, spatial_shapes, level_start_index):
+    """Level tables on value's device. Tables given on the CPU (already read by the checks) are copied
+    once per distinct table and device and then reused: no copy per call, so a call can be captured in
+    a CUDA graph after a warm-up call."""
+    if spatial_shapes.device == device and level_start_index.device == device:
+        return spatial_shapes, level_start_index
+    if spatial_shapes.is_cpu and level_start_index.is_cpu:
+        key = (str(device), tuple(spatial_shapes.reshape(-1).tolist()), tuple(level_start_index.tolist()))
+        tables = _DEVICE_LEVEL_TABLES.get(key)
+        if tables is None:
+            tables = (spatial_shapes.to(device, torch.int64), level_start_index.to(device, torch.int64))
+            _DEVICE_LEVEL_TABLES[key] = tables
+            if len(_DEVICE_LEVEL_TABLES) > 64:
+                _DEVICE_LEVEL_TABLES.popitem(last=False)
+        _DEVICE_LEVEL_TABLES.move_to_end(key)
+        return tables
+    return spatial_shapes.to(device, non_blocking=True), level_start_index.to(device, non_blocking=True)
+
+
 @forward.register_kernel("cuda")
 def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
     # Value checks run only for CPU-resident spatial_shapes / level_start_index: no host sync here.
@@ -62,8 +85,7 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
     if trivial is not None:
         return trivial
     # The kernel takes every tensor on value's device.
-    spatial_shapes = spatial_shapes.to(value.device, non_blocking=True)
-    level_start_index = level_start_index.to(value.device, non_blocking=True)
+    spatial_shapes, level_start_index = _level_tables_on(value.device, spatial_shapes, level_start_index)
 
     device_index = value.device.index if value.device.index is not None else torch.cuda.current_device()
     reason = kernel_unavailable_reason(device_index)
