@@ -484,8 +484,24 @@ class MSDAForward:
     @cute.jit
     def level_locations(self, mLoc, n, q, m, level: int):
         """All (x, y) of one query, head and level as a register vector of 2P fp32."""
-        src = cute.make_tensor(mLoc[n, q, m, level, None, None].iterator, cute.make_layout(2 * self.P))
-        return src.load().to(cutlass.Float32)
+        row = self.row(mLoc, n, q, m, self.L * 2 * self.P, level * 2 * self.P, 2 * self.P)
+        return cute.make_tensor(row, cute.make_layout(2 * self.P)).load().to(cutlass.Float32)
+
+    @cute.jit
+    def level_attention(self, mAttn, n, q, m, level: int):
+        """All attention weights of one query, head and level as a register vector of P fp32."""
+        row = self.row(mAttn, n, q, m, self.L * self.P, level * self.P, self.P)
+        return cute.make_tensor(row, cute.make_layout(self.P)).load().to(cutlass.Float32)
+
+    @cute.jit
+    def row(self, tensor, n, q, m, per_query_head: int, offset, length: int):
+        """Pointer to `length` contiguous elements at `offset` within the (n, q, m) row of a row-major
+        (N, Lq, M, ...) tensor, computed in 64 bits: N*Lq*M*L*P may exceed 2^31."""
+        width = tensor.element_type.width // 8
+        index = ((cutlass.Int64(n) * tensor.shape[1] + q) * self.M + m) * per_query_head + offset
+        align = min(16, length * width & -length * width)  # the largest power of two dividing the row size
+        return cute.make_ptr(tensor.element_type, tensor.iterator.toint() + index * width, cute.AddressSpace.gmem,
+                             assumed_align=align)
 
     @cute.jit
     def footprint(self, x, y, H, W):
@@ -505,7 +521,7 @@ class MSDAForward:
 
     @cute.jit
     def corner_weights(self, h, w, inside, a):
-        """Bilinear weights of the four corners, and the attention weight, zero for a skipped sample
+        """Bilinear weights of the four corners times the attention weight; all zero for a skipped sample
         (so that a NaN or inf weight of a skipped sample adds nothing, as in the original kernel)."""
         lw = w - cute.math.floor(w)
         lh = h - cute.math.floor(h)
@@ -513,21 +529,24 @@ class MSDAForward:
         w01 = cutlass.Float32(0.0)
         w10 = cutlass.Float32(0.0)
         w11 = cutlass.Float32(0.0)
-        a_inside = cutlass.Float32(0.0)
         if inside:
-            w00 = (1.0 - lh) * (1.0 - lw)
-            w01 = (1.0 - lh) * lw
-            w10 = lh * (1.0 - lw)
-            w11 = lh * lw
-            a_inside = a
-        return w00, w01, w10, w11, a_inside
+            # The attention weight folds into the four scalars (4 multiplies, not 4 vector ones). A
+            # corner whose bilinear weight is exactly 0 stays 0, so an inf attention weight does not
+            # turn it into NaN (0 * inf) where the original kernel adds 0 * value = 0.
+            w00 = self.times(a, (1.0 - lh) * (1.0 - lw))
+            w01 = self.times(a, (1.0 - lh) * lw)
+            w10 = self.times(a, lh * (1.0 - lw))
+            w11 = self.times(a, lh * lw)
+        return w00, w01, w10, w11
+
+    @cute.jit
+    def times(self, a, bilinear):
+        return cutlass.select_(bilinear == 0.0, cutlass.Float32(0.0), a * bilinear)
 
     @cute.jit
     def accumulate(self, acc, weights, v00, v01, v10, v11):
-        """acc += a * bilinear: the attention weight multiplies the interpolated vector once, in the
-        original kernel's order, so an inf weight gives inf (not NaN) where the original does."""
-        w00, w01, w10, w11, a = weights
-        acc.store(acc.load() + a * (w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11))
+        w00, w01, w10, w11 = weights
+        acc.store(acc.load() + w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11)
 
     @cute.jit
     def gather_staged(self, acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, q, m, chunk):
@@ -540,8 +559,7 @@ class MSDAForward:
             if staged[level]:
                 H, W = sizes[level]
                 locs = self.level_locations(mLoc, n, q, m, level)
-                attn = cute.make_tensor(mAttn[n, q, m, level, None].iterator, cute.make_layout(self.P))
-                attn = attn.load().to(cutlass.Float32)
+                attn = self.level_attention(mAttn, n, q, m, level)
                 for point in cutlass.range_constexpr(self.P):
                     (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
                     weights = self.corner_weights(h, w, inside, attn[point])
@@ -567,8 +585,7 @@ class MSDAForward:
                       + (m * self.D + chunk * self.C) * e)
         zero = mZero.iterator.toint() + chunk * self.C * e
         locs = self.level_locations(mLoc, n, q, m, level)
-        attn = cute.make_tensor(mAttn[n, q, m, level, None].iterator, cute.make_layout(self.P)).load()
-        attn = attn.to(cutlass.Float32)
+        attn = self.level_attention(mAttn, n, q, m, level)
         for point in cutlass.range_constexpr(self.P):
             (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
             weights = self.corner_weights(h, w, inside, attn[point])
@@ -612,10 +629,9 @@ class MSDAForward:
                 qc = cutlass.min(q, Lq - 1)
                 acc = cute.make_rmem_tensor(cute.make_layout(C), cutlass.Float32)
                 acc.fill(0.0)
-                if cutlass.const_expr(self.ring_levels):
-                    # Staged levels first: they overlap the boxes of the other levels in flight.
-                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
-                                       m, chunk)
+                # Staged levels first: they overlap the boxes (or L1 misses) of the other levels.
+                self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc, m,
+                                   chunk)
                 for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
                     if not staged[level]:
                         self.gather_level_l1(acc, mValue, starts[level], mLoc, mAttn, mZero, sizes[level], n, qc, m,
@@ -624,8 +640,7 @@ class MSDAForward:
                     if not staged[level]:
                         H, W = sizes[level]
                         locs = self.level_locations(mLoc, n, qc, m, level)
-                        attn = cute.make_tensor(mAttn[n, qc, m, level, None].iterator, cute.make_layout(self.P))
-                        attn = attn.load().to(cutlass.Float32)
+                        attn = self.level_attention(mAttn, n, qc, m, level)
                         for point in cutlass.range_constexpr(self.P):
                             (h, w, inside), _, _ = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
                             weights = self.corner_weights(h, w, inside, attn[point])
@@ -640,14 +655,10 @@ class MSDAForward:
                             cute.arch.sync_warp()
                             self.consumer_release(storage, g, index)
                             index, phase = self.advance(index, phase)
-                if cutlass.const_expr(not self.ring_levels):
-                    # Staged levels last: the staging load of a new segment overlaps the L1 gathers.
-                    self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc,
-                                       m, chunk)
                 if q < Lq:
                     if not levels_ok:
                         acc.fill(cutlass.Float32(float("nan")))
-                    out = cute.make_tensor(mOut[n, q, m, None].iterator + chunk * C, cute.make_layout(C))
+                    out = cute.make_tensor(self.row(mOut, n, q, m, D, chunk * C, C), cute.make_layout(C))
                     out.store(acc.load().to(mOut.element_type))
             t = seg_end
             segment += 1
