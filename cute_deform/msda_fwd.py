@@ -118,6 +118,14 @@ class KernelConfig:
         return (self.num_groups * CONSUMER_WARPS + producers) * 32
 
     @property
+    def ctas_per_sm(self) -> int:
+        """CTAs that fit on one SM at once. The block size is the only launch bound the kernel has, so
+        ptxas may use up to 65536 / threads registers a thread: count on at least 64 a thread. (A grid
+        sized by shared memory alone once launched two waves of CTAs where one fits.)"""
+        by_registers = 65536 // (self.threads * 64)
+        return max(1, min(SMEM_PER_SM // self.smem_bytes, 2048 // self.threads, by_registers))
+
+    @property
     def ring_slots(self) -> int:
         """Stages of all groups' rings; L1 gathers use no ring (one placeholder slot)."""
         return self.num_groups * self.num_stages if self.fine_gather == "tma" else 1
@@ -839,7 +847,7 @@ def _launch(value, spatial_shapes, level_start_index, sampling_locations, attent
     if out.numel() == 0:
         return out
     num_tiles = N * M * math.ceil(Lq / cfg.queries_per_tile)
-    ctas_per_sm = max(1, min(SMEM_PER_SM // cfg.smem_bytes, 2048 // cfg.threads))
+    ctas_per_sm = cfg.ctas_per_sm
     grid = min(num_tiles, _num_sms(device) * ctas_per_sm)
     grid = (grid + cfg.cluster_size - 1) // cfg.cluster_size * cfg.cluster_size
     maps = torch.empty((grid, cfg.num_groups * 2 * L, 16), dtype=torch.int64, device=device)
