@@ -1,14 +1,15 @@
 """Multi-scale deformable attention forward for Hopper (sm_90a), written in the CuTe DSL.
 
-One CTA works on tiles of G queries of one (image, head). A producer warp turns each sampling
-location into the top-left pixel of its bilinear footprint and loads the footprint (2x2 pixels x D
-channels) with one TMA box into a ring of shared-memory stages; the tensor map's out-of-bounds zero
-fill is the zero padding of the original kernel. Four consumer warps wait on each stage, weight the
-four corners with the bilinear and attention weights, and accumulate every level and point of a
-query in fp32 registers; each output row is written once.
+A CTA owns a contiguous range of tiles (G queries of one image and head). For each run of tiles of
+one (image, head), a segment, a producer warp loads the coarse levels that fit in shared memory whole,
+with TMA (multicast to both CTAs of a cluster pair when cluster_size=2). The other levels are gathered
+per sample, either with one TMA box of 2x2 pixels x D channels through a ring of mbarrier-guarded
+stages (the tensor map's out-of-bounds zero fill is the original kernel's zero padding), or with
+16-byte loads through L1. Consumer warps weight the four corners of every sample and accumulate every
+level and point of a query in fp32 registers; each output row is written once.
 
-Level sizes may live on the GPU, so the host never reads them: each CTA rewrites a template tensor
-map per level on the device (tensormap.replace) into its own slot of a small global workspace.
+Level sizes may live on the GPU, so the host never reads them: each CTA patches template tensor maps
+on the device (tensormap.replace) into its own slot of a small global workspace.
 """
 from __future__ import annotations
 
