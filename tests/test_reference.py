@@ -32,7 +32,7 @@ def test_reference_equals_brute_force_bitwise(gen, levels):
 def test_special_locations_are_hit(gen):
     """The sprinkled locations really exercise skipped, border and exact-pixel samples."""
     levels = [(4, 8), (1, 2)]
-    _, _, _, loc, _ = make_inputs(gen, levels, batch=2, queries=8, heads=2, points=4)
+    _, _, _, loc, _ = make_inputs(gen, levels, batch=2, queries=400, heads=2, points=4)
     loc = sprinkle_special_locations(gen, loc, levels)
     x = loc[..., 0, :, 0]
     w = x * 8 - 0.5
