@@ -567,20 +567,14 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             if staged[level]:
                 H, W = sizes[level]
-                locs = self.level_locations(mLoc, n, q, m, level)
-                attn = self.level_attention(mAttn, n, q, m, level)
-                for point in cutlass.range_constexpr(self.P):
-                    (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-                    weights = self.corner_weights(h, w, inside, attn[point])
-                    vals = []
-                    for dy in cutlass.range_constexpr(2):
-                        for dx in cutlass.range_constexpr(2):
-                            yy = y0 + dy
-                            xx = x0 + dx
-                            ok = yy >= 0 and yy < H and xx >= 0 and xx < W
-                            pixel = cutlass.select_(ok, offsets[level] + yy * W + xx, zero_pixel)
-                            vals.append(self.load_vector(sStaged.iterator + pixel * D + chunk * C))
-                    self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
+                base = offsets[level]
+
+                def corner(yy, xx, ok):
+                    pixel = cutlass.select_(ok, base + yy * W + xx, zero_pixel)
+                    return self.load_vector(sStaged.iterator + pixel * D + chunk * C)
+
+                self.gather_points(acc, self.level_locations(mLoc, n, q, m, level),
+                                   self.level_attention(mAttn, n, q, m, level), H, W, corner)
 
     @cute.jit
     def gather_level_l1(self, acc, mValue, start, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
@@ -593,8 +587,18 @@ class MSDAForward:
         level_base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                       + (m * self.D + chunk * self.C) * e)
         zero = mZero.iterator.toint() + chunk * self.C * e
-        locs = self.level_locations(mLoc, n, q, m, level)
-        attn = self.level_attention(mAttn, n, q, m, level)
+
+        def corner(yy, xx, ok):
+            # A corner outside the level reads zeros, exactly as the original kernel skips it.
+            addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
+            return self.load_vector(cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16))
+
+        self.gather_points(acc, self.level_locations(mLoc, n, q, m, level), self.level_attention(mAttn, n, q, m, level),
+                           H, W, corner)
+
+    @cute.jit
+    def gather_points(self, acc, locs, attn, H, W, corner):
+        """acc += every point of one level: corner(yy, xx, inside_level) loads one corner's channels."""
         for point in cutlass.range_constexpr(self.P):
             (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
             weights = self.corner_weights(h, w, inside, attn[point])
@@ -603,11 +607,7 @@ class MSDAForward:
                 for dx in cutlass.range_constexpr(2):
                     yy = y0 + dy
                     xx = x0 + dx
-                    ok = yy >= 0 and yy < H and xx >= 0 and xx < W
-                    # A corner outside the level reads zeros, exactly as the original kernel skips it.
-                    addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
-                    ptr = cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-                    vals.append(self.load_vector(ptr))
+                    vals.append(corner(yy, xx, yy >= 0 and yy < H and xx >= 0 and xx < W))
             self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
 
     @cute.jit
