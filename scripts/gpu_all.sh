@@ -28,10 +28,11 @@ step hardening-tests 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gp
 step kernel-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 step compare 100 python3 scripts/compare.py --no-progress --csv "$OUT/compare.csv"
+step launch-costs 60 python3 scripts/launch_costs.py
 step memcheck 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
     --report-api-errors no python3 tests/test_hardening_gpu.py
 cat "$OUT/device.txt"
-for f in sweep hardening-tests kernel-tests compare memcheck; do
+for f in sweep hardening-tests kernel-tests compare launch-costs memcheck; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }
 done
 printf '%s\n' "${SUMMARY[@]}"
