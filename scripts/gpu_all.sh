@@ -29,10 +29,12 @@ step kernel-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 step compare 100 python3 scripts/compare.py --no-progress --csv "$OUT/compare.csv"
 step launch-costs 60 python3 scripts/launch_costs.py
+step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no \
+    python3 scripts/kernel_smoke.py
 step memcheck 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
     --report-api-errors no python3 tests/test_hardening_gpu.py
 cat "$OUT/device.txt"
-for f in sweep hardening-tests kernel-tests compare launch-costs memcheck; do
+for f in sweep hardening-tests kernel-tests compare launch-costs racecheck memcheck; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }
 done
 printf '%s\n' "${SUMMARY[@]}"

@@ -3,7 +3,6 @@ configurations, then timings on the presets. Run on the GPU machine:
     source .device/activate.sh && python3 scripts/kernel_check.py
 """
 import argparse
-import math
 import sys
 import time
 
@@ -91,7 +90,6 @@ def correctness_cases(quick):
 def correctness(quick, tunings):
     bounds = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
     cases = correctness_cases(quick)
-    worst = 0.0
     failures = 0
     for c in cases:
         vdt = c.pop("vdt")

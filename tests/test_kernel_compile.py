@@ -1,8 +1,6 @@
 """Every CuTe kernel variant compiles for sm_90a on a machine without a GPU, and its PTX holds the
 instructions the design depends on. Also the disk cache of compiled kernels."""
-import os
 import re
-from pathlib import Path
 
 import pytest
 
