@@ -293,7 +293,7 @@ class MSDAForward:
         work = (sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank)
 
         consumer_warps = self.groups * CONSUMER_WARPS
-        self.run_roles(warp, consumer_warps, box_template, stage_template, mValue, mStarts, mLoc, mAttn, mOut, mDesc,
+        self.run_roles(warp, consumer_warps, box_template, stage_template, mValue, mLoc, mAttn, mOut, mDesc,
                        mZero, storage, sStaged, staged_full, work, bidx, tidx)
         if cutlass.const_expr(self.cluster > 1):
             # Neither CTA of a pair exits while the other may still multicast into it.
@@ -301,15 +301,15 @@ class MSDAForward:
             cute.arch.cluster_wait()
 
     @cute.jit
-    def run_roles(self, warp, consumer_warps, box_template, stage_template, mValue, mStarts, mLoc, mAttn, mOut, mDesc,
+    def run_roles(self, warp, consumer_warps, box_template, stage_template, mValue, mLoc, mAttn, mOut, mDesc,
                   mZero, storage, sStaged, staged_full, work, bidx, tidx):
         if warp >= consumer_warps:
             g = warp - consumer_warps
-            self.producer(g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage,
+            self.producer(g, box_template, stage_template, mValue, mLoc, mDesc, storage,
                           staged_full, work, bidx)
         else:
             g = warp // CONSUMER_WARPS
-            self.consumer(g, mValue, mStarts, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work,
+            self.consumer(g, mValue, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work,
                           tidx - g * self.consumer_threads)
 
     @cute.jit
@@ -331,6 +331,12 @@ class MSDAForward:
             sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
             starts.append(cutlass.select_(ok, start, cutlass.Int64(0)))
         return sizes, starts, levels_ok
+
+    @cute.jit
+    def segment_at(self, t, t_end, blocks):
+        """The segment starting at tile t: its (image, head) index, its end, the image and the head."""
+        nm = t // blocks
+        return nm, cutlass.min(t_end, (nm + 1) * blocks), cutlass.Int32(nm // self.M), cutlass.Int32(nm % self.M)
 
     @cute.jit
     def segment_sync(self):
@@ -366,7 +372,7 @@ class MSDAForward:
             mDesc[bidx, slot, None].iterator, cutlass.AddressSpace.generic)
 
     @cute.jit
-    def producer(self, g, box_template, stage_template, mValue, mStarts, mLoc, mDesc, storage, staged_full,
+    def producer(self, g, box_template, stage_template, mValue, mLoc, mDesc, storage, staged_full,
                  work, bidx):
         sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
         lane = cute.arch.lane_idx()
@@ -394,10 +400,7 @@ class MSDAForward:
         t = t_begin
         segment = cutlass.Int32(0)
         while t < t_end:
-            nm = t // blocks
-            seg_end = cutlass.min(t_end, (nm + 1) * blocks)
-            n = cutlass.Int32(nm // self.M)
-            m = cutlass.Int32(nm % self.M)
+            nm, seg_end, n, m = self.segment_at(t, t_end, blocks)
             self.segment_sync()
             if g == 0:
                 self.stage_levels(stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank)
@@ -615,7 +618,7 @@ class MSDAForward:
         return cute.make_tensor(ptr, cute.make_layout(self.C)).load().to(cutlass.Float32)
 
     @cute.jit
-    def consumer(self, g, mValue, mStarts, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work, tidx):
+    def consumer(self, g, mValue, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work, tidx):
         sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
@@ -627,10 +630,7 @@ class MSDAForward:
         t = t_begin
         segment = cutlass.Int32(0)
         while t < t_end:
-            nm = t // blocks
-            seg_end = cutlass.min(t_end, (nm + 1) * blocks)
-            n = cutlass.Int32(nm // self.M)
-            m = cutlass.Int32(nm % self.M)
+            nm, seg_end, n, m = self.segment_at(t, t_end, blocks)
             self.segment_sync()
             first = t + rank * self.groups + g
             for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
