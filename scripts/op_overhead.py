@@ -1,0 +1,119 @@
+"""Host cost of the op layer of torch.ops.cute_deform.forward, piece by piece, on the CPU.
+
+    python3 scripts/op_overhead.py [--repeats 7] [--number 20000]
+
+Everything the op runs before it hands over to `msda_fwd.msda_forward` is Python on the host, and
+none of it needs a GPU: this times each piece on tiny CPU inputs (N=1, Lq=64, M=8, L=4, P=4, D=32,
+the Deformable DETR levels) in microseconds per call, the median of --repeats runs of --number calls.
+
+- The CUDA flow is the op's CUDA kernel (`op._forward_cuda`) called directly with
+  `msda_fwd.msda_forward` replaced by a stub that returns a preallocated tensor and the device
+  capability probe answered from its cache, so what is timed is the op layer alone. "cuda-like" rows
+  put value, sampling_locations and attention_weights on the meta device (the tests' stand-in for a
+  GPU): with the level table on the CPU, the op checks its values and uses its cached device copy.
+- The dispatcher rows call torch.ops.cute_deform.forward on CPU tensors with the CPU reference
+  replaced by a stub, so what is timed is the dispatcher plus the op's CPU kernel minus the math.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import cute_deform
+from cute_deform import _checks, msda_fwd, op
+
+LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
+N, LQ, M, P, D = 1, 64, 8, 4, 32
+
+
+def make_inputs(device="cpu", table_device="cpu"):
+    shapes = torch.tensor(LEVELS, dtype=torch.int64)
+    pixels = shapes.prod(-1)
+    starts = pixels.cumsum(0) - pixels
+    S, L = int(pixels.sum()), len(LEVELS)
+    value = torch.randn(N, S, M, D).to(torch.float16)
+    loc = torch.rand(N, LQ, M, L, P, 2)
+    attn = torch.rand(N, LQ, M, L, P)
+    return [value.to(device), shapes.to(table_device), starts.to(table_device), loc.to(device), attn.to(device)]
+
+
+def per_call_us(fn, number, repeats):
+    for _ in range(min(number, 1000)):  # warm-up (caches, lazy imports)
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        runs.append((time.perf_counter() - t0) / number * 1e6)
+    return statistics.median(runs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--number", type=int, default=20000)
+    args = parser.parse_args()
+
+    cpu = make_inputs()
+    cuda_like = make_inputs(device="meta")  # value & co. on a "device", level table on the CPU
+    on_device = make_inputs(device="meta", table_device="meta")  # everything on the "device"
+    out = torch.empty(N, LQ, M * D, dtype=torch.float16)
+    L = len(LEVELS)
+
+    # Stubs: the math and the launch are not what is timed here.
+    def stub_launch(value, *rest, **tuning):
+        return out
+    op.ms_deform_attn_reference = lambda *a, **k: out
+    msda_fwd.msda_forward = stub_launch
+    msda_fwd.available = lambda: True
+    torch.cuda.get_device_capability = lambda index=None: (9, 0)
+    torch.cuda.current_device = lambda: 0
+    op.kernel_unavailable_reason.cache_clear()
+    assert op.kernel_unavailable_reason(0) is None
+
+    shape = _checks.check_inputs(*cpu)
+    rows = []
+
+    def row(name, fn):
+        rows.append((name, per_call_us(fn, args.number, args.repeats)))
+
+    row("python call of an empty function (scale)", lambda: None)
+    row("check_inputs, CPU level table (values read)", lambda: _checks.check_inputs(*cpu))
+    row("check_inputs, cuda-like, CPU level table", lambda: _checks.check_inputs(*cuda_like))
+    row("check_inputs, everything on device", lambda: _checks.check_inputs(*on_device))
+    row("check_inputs, check_values=False (fake impl)", lambda: _checks.check_inputs(*cpu, check_values=False))
+    row("check_inputs, drop-in names", lambda: _checks.check_inputs(*cpu, names=_checks.DROP_IN_NAMES))
+    if hasattr(op, "_trivial_output"):
+        row("_trivial_output", lambda: op._trivial_output(cpu[0], shape))
+    if hasattr(op, "_level_tables_on"):
+        row("_level_tables_on, cuda-like, CPU table (cached copy)",
+            lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
+        row("_level_tables_on, same device", lambda: op._level_tables_on(cpu[0].device, cpu[1], cpu[2]))
+    row("kernel_unavailable_reason(0) (lru_cache hit)", lambda: op.kernel_unavailable_reason(0))
+    row("msda_fwd.check_supported", lambda: msda_fwd.check_supported(cpu[0], L, P))
+    row("5x .contiguous() (contiguous inputs)", lambda: [t.contiguous() for t in cpu])
+    row("op CUDA kernel body, cuda-like, CPU level table", lambda: op._forward_cuda(*cuda_like))
+    row("op CUDA kernel body, everything on device", lambda: op._forward_cuda(*on_device))
+    row("op CUDA kernel body, CPU tensors", lambda: op._forward_cuda(*cpu))
+    row("torch.ops.cute_deform.forward (CPU, reference stubbed)", lambda: torch.ops.cute_deform.forward(*cpu))
+    with torch.no_grad():
+        row("  same, under torch.no_grad()", lambda: torch.ops.cute_deform.forward(*cpu))
+    with torch.inference_mode():
+        row("  same, under torch.inference_mode()", lambda: torch.ops.cute_deform.forward(*cpu))
+    row("torch.ops.cute_deform.forward.default (CPU, stubbed)", lambda: torch.ops.cute_deform.forward.default(*cpu))
+    row("cute_deform.ms_deform_attn (drop-in, CPU, stubbed)", lambda: cute_deform.ms_deform_attn(*cpu))
+
+    width = max(len(name) for name, _ in rows)
+    print(f"torch {torch.__version__}; N={N} Lq={LQ} M={M} L={L} P={P} D={D}; median of {args.repeats} x "
+          f"{args.number} calls")
+    print(f"{'piece':<{width}}  us/call")
+    for name, us in rows:
+        print(f"{name:<{width}}  {us:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
