@@ -6,9 +6,11 @@ tensors live on the CPU: reading a CUDA tensor would be a host sync on the hot p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+
+_Tensor = torch.Tensor
 
 # What the op computes with (fp32 arithmetic); the reference also takes float64.
 OP_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,9 +28,9 @@ DROP_IN_NAMES = (
 )
 
 
-@dataclass(frozen=True)
-class MSDAShape:
-    """Sizes of one MSDA call, read off validated inputs."""
+class MSDAShape(NamedTuple):
+    """Sizes of one MSDA call, read off validated inputs (immutable; a NamedTuple because it is
+    built on every call and costs a third of a frozen dataclass)."""
 
     batch: int  # N
     num_keys: int  # S = sum over levels of H*W
@@ -105,15 +107,99 @@ def check_inputs(
     check_values=False skips the checks that read spatial_shapes / level_start_index (fake tensors,
     tracing). They are skipped anyway for tensors that are not on the CPU.
     """
-    if _well_formed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes):
-        # Fast path (a few microseconds on the hot path); the detailed checks below only run to
-        # explain a failure, and stay the single source of truth for what is accepted.
-        batch, num_keys, num_heads, head_dim = value.shape
-        _, num_queries, _, num_levels, num_points, _ = sampling_locations.shape
-        if check_values and spatial_shapes.device.type == "cpu":
-            _check_level_values(spatial_shapes, level_start_index, num_keys, names)
-        return MSDAShape(batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
+    sizes, _, _ = validate(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        float_dtypes, names, check_values,
+    )
+    return MSDAShape._make(sizes)
 
+
+def validate(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+             float_dtypes=OP_FLOAT_DTYPES, names=OP_NAMES, check_values=True):
+    """check_inputs without the MSDAShape, for the op's hot path (positional arguments only).
+
+    Returns (sizes, shapes, starts): sizes = (N, S, M, D, Lq, L, P) as a tuple; shapes and starts are
+    the level table's values as lists ([[H, W], ...] and [start, ...]) where this call read them (a
+    table on the CPU and check_values), else None.
+    """
+    sizes = _sizes_if_well_formed(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes
+    )
+    if sizes is None:
+        # The detailed checks explain the failure; they stay the single source of truth for what is
+        # accepted (the fast path above only accepts a subset of what they accept).
+        sizes = _detailed_checks(
+            value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes, names
+        )
+    shapes = starts = None
+    if check_values and spatial_shapes.is_cpu:
+        # Reading a CPU tensor is no host sync: ~0.5 us for both tables (.tolist()).
+        shapes = spatial_shapes.tolist()
+        expected = []
+        start = 0
+        for height, width in shapes:
+            if height < 1 or width < 1:
+                break
+            expected.append(start)
+            start += height * width
+        else:
+            if start == sizes[1]:
+                if not level_start_index.is_cpu:
+                    return sizes, shapes, None
+                starts = level_start_index.tolist()
+                if starts == expected:
+                    return sizes, shapes, starts
+        _check_level_values(spatial_shapes, level_start_index, sizes[1], names)  # raises, naming the argument
+        raise AssertionError("cute_deform: the level table checks disagree")  # pragma: no cover
+    return sizes, shapes, starts
+
+
+def _sizes_if_well_formed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                          float_dtypes):
+    """(N, S, M, D, Lq, L, P) when _detailed_checks would accept the inputs (level values aside), else
+    None. The fast path: about a microsecond, no message built."""
+    if not (
+        isinstance(value, _Tensor)
+        and isinstance(spatial_shapes, _Tensor)
+        and isinstance(level_start_index, _Tensor)
+        and isinstance(sampling_locations, _Tensor)
+        and isinstance(attention_weights, _Tensor)
+    ):
+        return None
+    try:
+        N, S, M, D = value.shape
+        L, pair = spatial_shapes.shape
+        (L_starts,) = level_start_index.shape
+        N_loc, Lq, M_loc, L_loc, P, xy = sampling_locations.shape
+    except ValueError:  # a rank that is not the layout's
+        return None
+    device = value.device
+    if (
+        pair == 2
+        and xy == 2
+        and L_starts == L
+        and N_loc == N
+        and M_loc == M
+        and L_loc == L
+        and attention_weights.shape == (N, Lq, M, L, P)
+        and value.dtype in float_dtypes
+        and sampling_locations.dtype in float_dtypes
+        and attention_weights.dtype in float_dtypes
+        and spatial_shapes.dtype == INDEX_DTYPE
+        and level_start_index.dtype == INDEX_DTYPE
+        and sampling_locations.device == device
+        and attention_weights.device == device
+        and (spatial_shapes.is_cpu or spatial_shapes.device == device)
+        and (level_start_index.is_cpu or level_start_index.device == device)
+    ):
+        return (N, S, M, D, Lq, L, P)
+    return None
+
+
+def _detailed_checks(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                     float_dtypes, names):
+    """Every check short of the level values, one at a time, raising with a message that names the
+    argument; returns (N, S, M, D, Lq, L, P) when all pass."""
     n_value, n_shapes, n_starts, n_loc, n_attn = names
     tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     for t, name in zip(tensors, names):
@@ -163,42 +249,7 @@ def check_inputs(
     _check_size(attention_weights.shape[3], num_levels, n_attn, "L, levels", 3, attention_weights, n_shapes)
     _check_size(attention_weights.shape[4], num_points, n_attn, "P, points", 4, attention_weights, n_loc)
 
-    if check_values and spatial_shapes.device.type == "cpu":
-        _check_level_values(spatial_shapes, level_start_index, num_keys, names)
-
-    return MSDAShape(batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
-
-
-def _well_formed(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, float_dtypes) -> bool:
-    """Everything check_inputs verifies short of the level values, in one expression."""
-    tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return False
-    if (value.dim(), spatial_shapes.dim(), level_start_index.dim(), sampling_locations.dim(), attention_weights.dim()) != (
-        4, 2, 1, 6, 5,
-    ):
-        return False
-    device = value.device
-    N, _, M, _ = value.shape
-    L = spatial_shapes.shape[0]
-    return (
-        value.dtype in float_dtypes
-        and sampling_locations.dtype in float_dtypes
-        and attention_weights.dtype in float_dtypes
-        and spatial_shapes.dtype == INDEX_DTYPE
-        and level_start_index.dtype == INDEX_DTYPE
-        and sampling_locations.device == device
-        and attention_weights.device == device
-        and (spatial_shapes.device == device or spatial_shapes.device.type == "cpu")
-        and (level_start_index.device == device or level_start_index.device.type == "cpu")
-        and spatial_shapes.shape[1] == 2
-        and level_start_index.shape[0] == L
-        and sampling_locations.shape[0] == N
-        and sampling_locations.shape[2] == M
-        and sampling_locations.shape[3] == L
-        and sampling_locations.shape[5] == 2
-        and attention_weights.shape == sampling_locations.shape[:5]
-    )
+    return (batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)
 
 
 def _check_level_values(spatial_shapes, level_start_index, num_keys, names) -> None:

@@ -168,3 +168,27 @@ def test_non_int_im2col_step(gen):
     args = valid_inputs(gen)
     with pytest.raises(TypeError, match=r"im2col_step: expected an int, got float"):
         ms_deform_attn(*args.values(), im2col_step=64.0)
+
+
+@pytest.mark.parametrize("case_id", [c for c in CASES if not CASES[c].reads_values])
+def test_fast_path_never_accepts_a_bad_input(gen, case_id):
+    """check_inputs' fast path (no messages built) accepts only what its detailed checks accept."""
+    from cute_deform._checks import OP_FLOAT_DTYPES, _sizes_if_well_formed
+
+    args, _ = bad_inputs(gen, case_id)
+    assert _sizes_if_well_formed(*args.values(), OP_FLOAT_DTYPES) is None
+
+
+@pytest.mark.parametrize("levels,sizes", [
+    (LEVELS, dict(batch=2, queries=3, heads=2, head_dim=4, points=2)),
+    ([(1, 1)], dict(batch=1, queries=1, heads=1, head_dim=1, points=1)),
+    ([], dict(batch=2, queries=3, heads=2, head_dim=4, points=2)),
+    (LEVELS, dict(batch=0, queries=0, heads=3, head_dim=0, points=0)),
+])
+def test_fast_path_and_detailed_checks_agree_on_valid_inputs(gen, levels, sizes):
+    from cute_deform._checks import OP_FLOAT_DTYPES, OP_NAMES, _detailed_checks, _sizes_if_well_formed
+
+    args = make_inputs(gen, levels, dtype=torch.float32, **sizes)
+    expected = _detailed_checks(*args, OP_FLOAT_DTYPES, OP_NAMES)
+    assert _sizes_if_well_formed(*args, OP_FLOAT_DTYPES) == expected
+    assert tuple(check_inputs(*args)) == expected
