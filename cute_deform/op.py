@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from ._checks import MSDAShape, check_inputs
+from ._checks import validate
 from .reference import ms_deform_attn_grid_sample, ms_deform_attn_reference
 
 SCHEMA = (
@@ -33,22 +33,24 @@ class SlowPathWarning(UserWarning):
     """The op ran its pure-PyTorch path on a CUDA device because the Hopper kernel cannot run there."""
 
 
-def _trivial_output(value: torch.Tensor, shape: MSDAShape) -> torch.Tensor | None:
-    """The output when there is nothing to compute (no kernel launch), else None."""
-    if shape.output_is_empty:
-        return value.new_empty(shape.output_shape)
-    if shape.sums_nothing:
-        return value.new_zeros(shape.output_shape)
-    return None
+# The op is registered with torch.library's low-level API (define + impl per dispatch key) rather
+# than torch.library.custom_op: custom_op wraps every call in several layers of Python (an autograd
+# kernel that builds a dataclass and redispatches, a per-device wrapper, an aliasing check), which
+# cost ~5 us of host time per call; this costs ~1-2 us (scripts/op_overhead.py).
+_lib = torch.library.Library("cute_deform", "FRAGMENT")
+_lib.define("forward" + SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+forward = torch.ops.cute_deform.forward.default
 
 
-@torch.library.custom_op("cute_deform::forward", mutates_args=(), device_types="cpu", schema=SCHEMA)
-def forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+def _forward_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
     """CPU kernel: the exact reference, in fp32 arithmetic (float64 would be ~2x slower for no user benefit)."""
-    shape = check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    trivial = _trivial_output(value, shape)
-    if trivial is not None:
-        return trivial
+    (N, _, M, D, Lq, L, P), _, _ = validate(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    if not (N and Lq and M and D):  # nothing to compute
+        return value.new_empty((N, Lq, M * D))
+    if not (L and P):  # every output is an empty sum
+        return value.new_zeros((N, Lq, M * D))
     return ms_deform_attn_reference(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         compute_dtype=torch.float32, out_dtype=value.dtype,
@@ -58,41 +60,59 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
 _DEVICE_LEVEL_TABLES: "collections.OrderedDict" = collections.OrderedDict()
 
 
-def _level_tables_on(device, spatial_shapes, level_start_index):
-    """Level tables on value's device. Tables given on the CPU (already read by the checks) are copied
-    once per distinct table and device and then reused: no copy per call, so a call can be captured in
-    a CUDA graph after a warm-up call."""
+def _level_tables_on(device, spatial_shapes, level_start_index, shapes=None, starts=None):
+    """Level tables on value's device. Tables given on the CPU (already read by the checks: pass what
+    they read as shapes / starts, lists as .tolist() gives them) are copied once per distinct table and
+    device and then reused: no copy per call, so a call can be captured in a CUDA graph after a
+    warm-up call."""
     if spatial_shapes.device == device and level_start_index.device == device:
         return spatial_shapes, level_start_index
     if spatial_shapes.is_cpu and level_start_index.is_cpu:
-        key = (str(device), tuple(spatial_shapes.reshape(-1).tolist()), tuple(level_start_index.tolist()))
+        if shapes is None:
+            shapes = spatial_shapes.tolist()
+        if starts is None:
+            starts = level_start_index.tolist()
+        key = (device, tuple(map(tuple, shapes)), tuple(starts))
         tables = _DEVICE_LEVEL_TABLES.get(key)
         if tables is None:
             tables = (spatial_shapes.to(device, torch.int64), level_start_index.to(device, torch.int64))
             _DEVICE_LEVEL_TABLES[key] = tables
             if len(_DEVICE_LEVEL_TABLES) > 64:
                 _DEVICE_LEVEL_TABLES.popitem(last=False)
-        _DEVICE_LEVEL_TABLES.move_to_end(key)
+        else:
+            _DEVICE_LEVEL_TABLES.move_to_end(key)
         return tables
     return spatial_shapes.to(device, non_blocking=True), level_start_index.to(device, non_blocking=True)
 
 
-@forward.register_kernel("cuda")
+_msda_fwd = None  # cute_deform.msda_fwd once imported (a function-level import costs ~0.2 us a call)
+
+
 def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
     # Value checks run only for CPU-resident spatial_shapes / level_start_index: no host sync here.
-    shape = check_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    trivial = _trivial_output(value, shape)
-    if trivial is not None:
-        return trivial
-    # The kernel takes every tensor on value's device.
-    spatial_shapes, level_start_index = _level_tables_on(value.device, spatial_shapes, level_start_index)
+    (N, _, M, D, Lq, L, P), shapes, starts = validate(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+    if not (N and Lq and M and D):  # nothing to compute: no launch
+        return value.new_empty((N, Lq, M * D))
+    if not (L and P):  # every output is an empty sum
+        return value.new_zeros((N, Lq, M * D))
+    # The kernel takes every tensor on value's device (value is not on the CPU here).
+    if spatial_shapes.is_cpu or level_start_index.is_cpu:
+        spatial_shapes, level_start_index = _level_tables_on(
+            value.device, spatial_shapes, level_start_index, shapes, starts
+        )
 
-    device_index = value.device.index if value.device.index is not None else torch.cuda.current_device()
-    reason = kernel_unavailable_reason(device_index)
+    device_index = value.get_device()
+    reason = kernel_unavailable_reason(device_index if device_index >= 0 else torch.cuda.current_device())
     if reason is None:
-        from . import msda_fwd
+        global _msda_fwd
+        msda_fwd = _msda_fwd
+        if msda_fwd is None:
+            from . import msda_fwd
 
-        msda_fwd.check_supported(value, shape.num_levels, shape.num_points)
+            _msda_fwd = msda_fwd
+        msda_fwd.check_supported(value, L, P)
         return msda_fwd.msda_forward(
             value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
             sampling_locations.contiguous(), attention_weights.contiguous(),
@@ -104,12 +124,72 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
     )
 
 
-@forward.register_fake
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
-    shape = check_inputs(
+    (N, _, M, D, Lq, _, _), _, _ = validate(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, check_values=False
     )
-    return value.new_empty(shape.output_shape)
+    return value.new_empty((N, Lq, M * D))
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """What the op does when an input requires grad: the forward, and a backward that raises."""
+
+    @staticmethod
+    def forward(ctx, keyset, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return forward.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"Trying to backward through {forward} but no autograd formula was registered. "
+            "Please use register_autograd to add one."
+        )
+
+
+_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
+_KERNEL_FOR_KEY = {torch._C.DispatchKey.CPU: _forward_cpu, torch._C.DispatchKey.CUDA: _forward_cuda}
+_DIRECT_KERNELS: dict = {}  # raw dispatch key set -> _direct_kernel's answer
+
+
+def _direct_kernel(keyset):
+    """Our kernel that the dispatcher would run right below autograd for this key set, or None where
+    something else comes first (a tensor subclass or dispatch mode: Python; functionalization; meta
+    tensors: the fake implementation). The key set is the one the dispatcher hands the Autograd kernel,
+    already without the keys whose kernels fall through (ADInplaceOrView, BackendSelect)."""
+    raw = keyset.raw_repr()
+    kernel = _DIRECT_KERNELS.get(raw, False)
+    if kernel is False:
+        kernel = _DIRECT_KERNELS[raw] = _KERNEL_FOR_KEY.get((keyset & _AFTER_AUTOGRAD).highestPriorityTypeId())
+    return kernel
+
+
+def _forward_autograd(keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                      im2col_step=64):
+    """The op's Autograd kernel (the dispatcher calls it on every call outside inference mode).
+
+    With an input that requires grad: the forward through _ForwardOnly, whose backward raises. Else,
+    where nothing but our CPU or CUDA kernel lies below autograd, that kernel is called straight away
+    (a redispatch through the dispatcher would cost another ~1 us); anything else is redispatched."""
+    if (value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad) and (
+        torch.is_grad_enabled()
+    ):
+        return _ForwardOnly.apply(
+            keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
+        )
+    kernel = _direct_kernel(keyset)
+    if kernel is not None:
+        return kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return forward.redispatch(
+        keyset & _AFTER_AUTOGRAD, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        im2col_step,
+    )
+
+
+_lib.impl("forward", _forward_cpu, "CPU")
+_lib.impl("forward", _forward_cuda, "CUDA")
+_lib.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
+torch.library.register_fake("cute_deform::forward", _forward_fake, lib=_lib)
 
 
 @functools.lru_cache(maxsize=None)

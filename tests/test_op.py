@@ -147,3 +147,83 @@ def test_slow_path_warns_once(monkeypatch):
         op._warn_slow_path("the CuTe kernel targets sm_90 (Hopper) and cuda:0 is sm_80")
         op._warn_slow_path("the CuTe kernel targets sm_90 (Hopper) and cuda:0 is sm_80")
     assert len(record) == 1
+
+
+def test_backward_is_refused_whichever_float_input_requires_grad(gen):
+    for index in (0, 3, 4):  # value, sampling_locations, attention_weights
+        args = list(make_inputs(gen, LEVELS, dtype=torch.float32))
+        args[index] = args[index].requires_grad_(True)
+        out = torch.ops.cute_deform.forward(*args)
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match="autograd"):
+            out.sum().backward()
+
+
+def test_no_grad_and_inference_mode_give_the_same_output(gen):
+    args = make_inputs(gen, LEVELS, dtype=torch.float32)
+    expected = torch.ops.cute_deform.forward(*args)
+    value = args[0].clone().requires_grad_(True)
+    with torch.no_grad():
+        out = torch.ops.cute_deform.forward(value, *args[1:])
+    assert not out.requires_grad and torch.equal(out, expected)
+    with torch.inference_mode():  # the dispatcher skips the op's Autograd kernel here
+        assert torch.equal(torch.ops.cute_deform.forward(*args), expected)
+        assert torch.equal(ms_deform_attn(*args), expected)
+
+
+def test_dispatch_modes_and_subclasses_still_see_the_op(gen):
+    """The op's Autograd kernel calls its CPU/CUDA kernel directly only when nothing else lies below
+    autograd: a TorchDispatchMode (and so FakeTensorMode, FlopCounterMode, ...) still sees the op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    args = make_inputs(gen, LEVELS, dtype=torch.float32)
+    with Record() as mode:
+        out = torch.ops.cute_deform.forward(*args)
+    assert torch.ops.cute_deform.forward.default in mode.seen
+    assert torch.equal(out, torch.ops.cute_deform.forward(*args))
+
+
+def test_direct_kernel_choice():
+    """Which of the op's kernels its Autograd kernel calls without redispatching, per key set."""
+    from cute_deform import op
+
+    DK, KS = torch._C.DispatchKey, torch._C.DispatchKeySet
+
+    def keyset(*keys):
+        out = KS(keys[0])
+        for key in keys[1:]:
+            out = out | KS(key)
+        return out
+
+    assert op._direct_kernel(keyset(DK.CPU, DK.AutogradCPU)) is op._forward_cpu
+    assert op._direct_kernel(keyset(DK.CUDA, DK.AutogradCUDA)) is op._forward_cuda
+    # value on the GPU, level table on the CPU: the dispatcher picks the CUDA kernel.
+    assert op._direct_kernel(keyset(DK.CUDA, DK.CPU, DK.AutogradCUDA, DK.AutogradCPU)) is op._forward_cuda
+    for other in (DK.Python, DK.Functionalize, DK.Meta, DK.FuncTorchDynamicLayerBackMode):
+        assert op._direct_kernel(keyset(DK.CPU, other, DK.AutogradCPU)) is None, other
+        assert op._direct_kernel(keyset(DK.CUDA, other, DK.AutogradCUDA)) is None, other
+
+
+def test_device_copies_of_a_cpu_level_table_are_cached_by_contents(gen):
+    """value on another device (meta stands in for CUDA), level table on the CPU: one device copy per
+    distinct table, whether the caller read the table already or not, never one per call."""
+    from cute_deform import op
+
+    device = torch.device("meta")
+    shapes, starts = make_inputs(gen, [(2, 3), (1, 1)])[1:3]
+    first = op._level_tables_on(device, shapes, starts)
+    assert first[0].device == device and first[0].dtype == torch.int64
+    assert op._level_tables_on(device, shapes.clone(), starts.clone()) is first
+    assert op._level_tables_on(device, shapes, starts, shapes.tolist(), starts.tolist()) is first
+    transposed = make_inputs(gen, [(3, 2), (1, 1)])[1:3]  # the same S and starts, other (H, W)
+    assert op._level_tables_on(device, *transposed) is not first
+    assert op._level_tables_on(device, shapes.to(device), starts.to(device))[0].device == device
