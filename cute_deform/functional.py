@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from . import op as _op  # noqa: F401  (registers torch.ops.cute_deform.forward)
+from . import op as _op  # registers torch.ops.cute_deform.forward
 from ._checks import DROP_IN_NAMES, check_inputs
+
+_forward = _op.forward  # torch.ops.cute_deform.forward.default: skips the overload packet's resolution
 
 
 def ms_deform_attn(
@@ -23,15 +25,30 @@ def ms_deform_attn(
     """
     if not isinstance(im2col_step, int) or isinstance(im2col_step, bool):
         raise TypeError(f"cute_deform: im2col_step: expected an int, got {type(im2col_step).__name__}")
-    # While torch.compile traces, reading the level table would break the graph; the op's kernel
-    # checks those values at run time anyway.
-    check_inputs(
+    if torch.compiler.is_compiling():
+        # While torch.compile traces, reading the level table would break the graph; the op's kernel
+        # checks those values at run time anyway.
+        check_inputs(
+            value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
+            names=DROP_IN_NAMES, check_values=False,
+        )
+        return torch.ops.cute_deform.forward(
+            value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights, im2col_step
+        )
+    # Eager: the op runs the very checks check_inputs runs, so they are not run twice on the hot path;
+    # only when the op refuses the inputs are they checked again here, to name the arguments as
+    # MSDeformAttnFunction.apply does (value_spatial_shapes, ...).
+    try:
+        return _forward(
+            value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights, im2col_step
+        )
+    except (TypeError, ValueError, RuntimeError) as exc:
+        error = exc
+    check_inputs(  # raises where the op's own checks refused the inputs
         value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights,
-        names=DROP_IN_NAMES, check_values=not torch.compiler.is_compiling(),
+        names=DROP_IN_NAMES,
     )
-    return torch.ops.cute_deform.forward(
-        value, value_spatial_shapes, value_level_start_index, sampling_locations, attention_weights, im2col_step
-    )
+    raise error
 
 
 class MSDeformAttnFunction:
