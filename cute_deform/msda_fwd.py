@@ -87,9 +87,49 @@ class KernelConfig:
     cluster_size: int = 1  # 2: CTA pairs split each (image, head) and multicast the staged levels
     fine_gather: str = "tma"  # levels that are not staged: "tma" boxes through the ring, or "ldg" through L1
 
+    def __post_init__(self):
+        if self.threads > 1024:
+            raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
+
     @property
     def itemsize(self) -> int:
-        return 4 if self.value_dtype == "float32" else 2
+        return _ITEMSIZE[self.value_dtype]
+
+    @property
+    def prefetch_inputs(self) -> bool:
+        """With L1 gathers, producer warps load each tile's locations and attention weights into a ring
+        of shared-memory stages with two TMA boxes, ahead of the consumers. TMA needs rows of a multiple
+        of 16 bytes, and the ring must leave room for the staged levels; other shapes read them from
+        global memory in the consumers."""
+        return (self.fine_gather == "ldg" and self.level_points * 2 * _ITEMSIZE[self.loc_dtype] % 16 == 0
+                and self.level_points * _ITEMSIZE[self.attn_dtype] % 16 == 0
+                and self.num_groups * self.num_stages * self.input_stage_bytes <= SMEM_PER_SM - 64 * 1024)
+
+    @property
+    def input_stage_bytes(self) -> int:
+        return (self.loc_stage_elems * _ITEMSIZE[self.loc_dtype] + self.attn_stage_elems * _ITEMSIZE[self.attn_dtype])
+
+    @property
+    def level_points(self) -> int:
+        return self.num_levels * self.num_points
+
+    @property
+    def loc_stage_elems(self) -> int:
+        """Elements of one stage of the location ring: G rows of L*P*2, padded to 128 bytes."""
+        return _round_up(self.queries_per_tile * self.level_points * 2 * _ITEMSIZE[self.loc_dtype], 128) // _ITEMSIZE[self.loc_dtype]
+
+    @property
+    def attn_stage_elems(self) -> int:
+        return _round_up(self.queries_per_tile * self.level_points * _ITEMSIZE[self.attn_dtype], 128) // _ITEMSIZE[self.attn_dtype]
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes the two TMA boxes of one tile's inputs deliver."""
+        return self.queries_per_tile * self.level_points * (2 * _ITEMSIZE[self.loc_dtype] + _ITEMSIZE[self.attn_dtype])
+
+    @property
+    def input_slots(self) -> int:
+        return self.num_groups * self.num_stages if self.prefetch_inputs else 1
 
     @property
     def channels_per_thread(self) -> int:  # one 16-byte vector of value per thread and corner
@@ -109,14 +149,20 @@ class KernelConfig:
 
     @property
     def stage_pixels(self) -> int:
-        """Pixels of one head that the staging buffer holds, in whole staging boxes."""
-        px = self.stage_bytes // (self.head_dim * self.itemsize)
+        """Pixels of one head that the staging buffer holds, in whole staging boxes: stage_bytes, or
+        what shared memory has left after the rings."""
+        budget = min(self.stage_bytes, SMEM_PER_SM - self._smem_without_staging - self.head_dim * self.itemsize)
+        px = max(0, budget) // (self.head_dim * self.itemsize)
         return px // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
 
     @property
+    def producer_warps(self) -> int:
+        """A producer warp per group feeds its ring; with neither ring, one producer warp only stages."""
+        return self.num_groups if self.fine_gather == "tma" or self.prefetch_inputs else 1
+
+    @property
     def threads(self) -> int:
-        producers = self.num_groups if self.fine_gather == "tma" else 1
-        return (self.num_groups * CONSUMER_WARPS + producers) * 32
+        return (self.num_groups * CONSUMER_WARPS + self.producer_warps) * 32
 
     @property
     def ctas_per_sm(self) -> int:
@@ -132,10 +178,22 @@ class KernelConfig:
         return self.num_groups * self.num_stages if self.fine_gather == "tma" else 1
 
     @property
-    def smem_bytes(self) -> int:
+    def _smem_without_staging(self) -> int:
         ring = self.ring_slots * self.queries_per_tile * self.box_bytes
-        staged = (self.stage_pixels + 1) * self.head_dim * self.itemsize
-        return ring + staged + 2 * self.num_levels * TENSORMAP_BYTES + 1024
+        inputs = self.input_slots * self.input_stage_bytes
+        maps = 2 * self.num_levels * self.num_groups * TENSORMAP_BYTES
+        return ring + inputs + maps + 16 * self.num_stages * self.num_groups + 1024
+
+    @property
+    def smem_bytes(self) -> int:
+        return self._smem_without_staging + (self.stage_pixels + 1) * self.head_dim * self.itemsize
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _round_up(x: int, k: int) -> int:
+    return (x + k - 1) // k * k
 
 
 def _dsl_dtype(name: str):
@@ -165,10 +223,16 @@ class MSDAForward:
         self.boxes_per_lane = (self.G + 31) // 32
         self.ring_levels = config.fine_gather == "tma"
         self.ring_shape = (self.G * 4 * self.D, self.stages, self.groups) if self.ring_levels else (self.G * 4 * self.D, 1, 1)
+        self.prefetch = config.prefetch_inputs
+        self.LP = self.L * self.P
+        self.loc_dtype = _dsl_dtype(config.loc_dtype)
+        self.attn_dtype = _dsl_dtype(config.attn_dtype)
+        input_stages = (self.stages, self.groups) if self.prefetch else (1, 1)
+        self.loc_ring_shape = (config.loc_stage_elems,) + input_stages
+        self.attn_ring_shape = (config.attn_stage_elems,) + input_stages
         self.consumer_threads = CONSUMER_WARPS * 32
-        # A producer warp per group feeds its ring; with L1 gathers one producer warp only stages.
-        self.producer_warps = self.groups if self.ring_levels else 1
-        self.threads = (self.groups * CONSUMER_WARPS + self.producer_warps) * 32
+        self.producer_warps = config.producer_warps
+        self.threads = config.threads
 
     @cute.jit
     def __call__(
@@ -209,15 +273,37 @@ class MSDAForward:
         class SharedStorage:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
             staged_full: cute.struct.MemRange[cutlass.Int64, 2]
+            levels: cute.struct.MemRange[cutlass.Int64, 4 * (self.L + 1)]
             maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L * self.groups], 128]
             ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, self.cfg.ring_slots * self.G * 4 * D], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
+            loc_ring: cute.struct.Align[cute.struct.MemRange[self.loc_dtype, math.prod(self.loc_ring_shape)], 128]
+            attn_ring: cute.struct.Align[cute.struct.MemRange[self.attn_dtype, math.prod(self.attn_ring_shape)], 128]
 
         self.shared_storage = SharedStorage
         Lq = mLoc.shape[1]
+        # The tile's inputs as boxes of G query rows of one (image, head): (L*P*2, M, Lq, N), box
+        # (L*P*2, 1, G, 1); rows past Lq are zero filled.
+        loc_map, attn_map = box_template, box_template
+        if cutlass.const_expr(self.prefetch):
+            el, ea, LP = _ITEMSIZE[self.cfg.loc_dtype], _ITEMSIZE[self.cfg.attn_dtype], self.LP
+            loc_map = tensor_map.create_tensor_map_tiled(
+                global_address=mLoc.iterator.toint(),
+                dtype=self.loc_dtype,
+                global_dims=[2 * LP, M, Lq, N],
+                global_strides=[2 * LP * el // 16, M * 2 * LP * el // 16, cutlass.Int64(Lq) * (M * 2 * LP * el // 16)],
+                box_dims=[2 * LP, 1, self.G, 1],
+            )
+            attn_map = tensor_map.create_tensor_map_tiled(
+                global_address=mAttn.iterator.toint(),
+                dtype=self.attn_dtype,
+                global_dims=[LP, M, Lq, N],
+                global_strides=[LP * ea // 16, M * LP * ea // 16, cutlass.Int64(Lq) * (M * LP * ea // 16)],
+                box_dims=[LP, 1, self.G, 1],
+            )
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
-        self.kernel(box_template, stage_template, mValue, mShapes, mStarts, mLoc, mAttn, mOut, mDesc, mZero,
-                    num_tiles).launch(
+        self.kernel(box_template, stage_template, loc_map, attn_map, mValue, mShapes, mStarts, mLoc, mAttn, mOut,
+                    mDesc, mZero, num_tiles).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -230,6 +316,8 @@ class MSDAForward:
         self,
         box_template: cutlass.GridConstant[tensor_map.TensorMap],
         stage_template: cutlass.GridConstant[tensor_map.TensorMap],
+        loc_map: cutlass.GridConstant[tensor_map.TensorMap],
+        attn_map: cutlass.GridConstant[tensor_map.TensorMap],
         mValue: cute.Tensor,
         mShapes: cute.Tensor,
         mStarts: cute.Tensor,
@@ -259,12 +347,6 @@ class MSDAForward:
         # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
         if tidx < D:
             sStaged[self.stage_pixels * D + tidx] = self.value_dtype(0.0)
-        cute.arch.mbarrier_init_fence()
-        if cutlass.const_expr(self.cluster > 1):
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.barrier()
 
         # Which levels are staged, and where: coarsest first while they fit. Every thread computes the
         # same from spatial_shapes.
@@ -279,6 +361,23 @@ class MSDAForward:
             staged[level] = fits
             offsets[level] = used
             used = used + cutlass.select_(fits, px, 0)
+        # The consumers read the table from shared memory where they need it, rather than holding ~20
+        # registers of it through the whole tile loop.
+        sLevels = storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
+        if tidx == 0:
+            for level in cutlass.range_constexpr(self.L):
+                H, W = sizes[level]
+                sLevels[level, 0] = cutlass.Int64(H)
+                sLevels[level, 1] = cutlass.Int64(W)
+                sLevels[level, 2] = starts[level]
+                sLevels[level, 3] = cutlass.Int64(cutlass.select_(staged[level], offsets[level], -1))
+            sLevels[self.L, 0] = cutlass.Int64(cutlass.select_(levels_ok, 1, 0))
+        cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
 
         # Tiles of this CTA (or cluster): a contiguous range, so that most of it shares one (image, head).
         Lq = mLoc.shape[1]
@@ -293,23 +392,23 @@ class MSDAForward:
         work = (sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank)
 
         consumer_warps = self.groups * CONSUMER_WARPS
-        self.run_roles(warp, consumer_warps, box_template, stage_template, mValue, mLoc, mAttn, mOut, mDesc,
-                       mZero, storage, sStaged, staged_full, work, bidx, tidx)
+        self.run_roles(warp, consumer_warps, box_template, stage_template, loc_map, attn_map, mValue, mLoc, mAttn,
+                       mOut, mDesc, mZero, storage, sStaged, staged_full, work, bidx, tidx)
         if cutlass.const_expr(self.cluster > 1):
             # Neither CTA of a pair exits while the other may still multicast into it.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
     @cute.jit
-    def run_roles(self, warp, consumer_warps, box_template, stage_template, mValue, mLoc, mAttn, mOut, mDesc,
-                  mZero, storage, sStaged, staged_full, work, bidx, tidx):
+    def run_roles(self, warp, consumer_warps, box_template, stage_template, loc_map, attn_map, mValue, mLoc, mAttn,
+                  mOut, mDesc, mZero, storage, sStaged, staged_full, work, bidx, tidx):
         if warp >= consumer_warps:
             g = warp - consumer_warps
-            self.producer(g, box_template, stage_template, mValue, mLoc, mDesc, storage,
+            self.producer(g, box_template, stage_template, loc_map, attn_map, mValue, mLoc, mDesc, storage,
                           staged_full, work, bidx)
         else:
             g = warp // CONSUMER_WARPS
-            self.consumer(g, mValue, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work,
+            self.consumer(g, mValue, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work[6:],
                           tidx - g * self.consumer_threads)
 
     @cute.jit
@@ -372,14 +471,15 @@ class MSDAForward:
             mDesc[bidx, slot, None].iterator, cutlass.AddressSpace.generic)
 
     @cute.jit
-    def producer(self, g, box_template, stage_template, mValue, mLoc, mDesc, storage, staged_full,
-                 work, bidx):
+    def producer(self, g, box_template, stage_template, loc_map, attn_map, mValue, mLoc, mDesc, storage,
+                 staged_full, work, bidx):
         sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
         sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L * self.groups)))
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
+        sLocRing, sAttnRing = self.input_rings(storage)
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
         F = prims.TensormapField
 
@@ -405,9 +505,19 @@ class MSDAForward:
             if g == 0:
                 self.stage_levels(stage_maps, sStaged, staged_full, sizes, staged, offsets, used, n, m, rank)
             first = t + rank * self.groups + g
-            for tile in cutlass.range(first, seg_end if self.ring_levels else first, self.groups * self.cluster,
-                                      unroll=1):
+            has_ring = self.ring_levels or self.prefetch
+            for tile in cutlass.range(first, seg_end if has_ring else first, self.groups * self.cluster, unroll=1):
                 q0 = cutlass.Int32(tile - nm * blocks) * self.G
+                if cutlass.const_expr(self.prefetch):
+                    self.producer_acquire(storage, g, index, phase, self.cfg.input_bytes)
+                    with cute.arch.elect_one():
+                        full = self.full_barrier(storage, g, index)
+                        coords = [cutlass.Int32(0), m, q0, n]
+                        prims.cp_async_bulk_tensor_shared_cta_global(
+                            sLocRing[None, index, g].iterator, loc_map.get_ptr(), coords, full)
+                        prims.cp_async_bulk_tensor_shared_cta_global(
+                            sAttnRing[None, index, g].iterator, attn_map.get_ptr(), coords, full)
+                    index, phase = self.advance(index, phase)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     if not staged[level]:
                         H, W = sizes[level]
@@ -421,7 +531,7 @@ class MSDAForward:
                                 _, x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
                                 corners.append((cutlass.select_(q >= Lq, -2, x0), cutlass.select_(q >= Lq, -2, y0)))
                         for point in cutlass.range_constexpr(self.P):
-                            self.producer_acquire(storage, g, index, phase)
+                            self.producer_acquire(storage, g, index, phase, self.G * self.cfg.box_bytes)
                             for j in cutlass.range_constexpr(self.boxes_per_lane):
                                 slot = lane + 32 * j
                                 if slot < self.G:
@@ -433,8 +543,8 @@ class MSDAForward:
             t = seg_end
             segment += 1
         # Leave only once the consumers have released every stage (no TMA still in flight at exit).
-        for _ in cutlass.range(self.stages if self.ring_levels else 0, unroll=1):
-            self.producer_acquire(storage, g, index, phase)
+        for _ in cutlass.range(self.stages if self.ring_levels or self.prefetch else 0, unroll=1):
+            self.producer_acquire(storage, g, index, phase, 0)
             index, phase = self.advance(index, phase)
         # ... and once the last staging has landed: a group with no tile in the last segment never
         # waits for it, and a CTA must not exit with TMA (or a peer's multicast) still writing into it.
@@ -477,10 +587,15 @@ class MSDAForward:
         return storage.ring_barriers.data_ptr() + (2 * self.stages) * g + self.stages + index
 
     @cute.jit
-    def producer_acquire(self, storage, g, index, phase):
+    def producer_acquire(self, storage, g, index, phase, tx_bytes: int):
         cute.arch.mbarrier_wait(self.empty_barrier(storage, g, index), phase ^ 1)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(self.full_barrier(storage, g, index), self.G * self.cfg.box_bytes)
+        if cutlass.const_expr(tx_bytes > 0):
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(self.full_barrier(storage, g, index), tx_bytes)
+
+    def input_rings(self, storage):
+        return (storage.loc_ring.get_tensor(cute.make_layout(self.loc_ring_shape)),
+                storage.attn_ring.get_tensor(cute.make_layout(self.attn_ring_shape)))
 
     @cute.jit
     def consumer_release(self, storage, g, index):
@@ -561,26 +676,24 @@ class MSDAForward:
         acc.store(acc.load() + w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11)
 
     @cute.jit
-    def gather_staged(self, acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, q, m, chunk):
+    def gather_staged(self, acc, staged_full, segment, sStaged, sLevels, source, chunk):
         """All points of the staged levels, read from shared memory; an out-of-level corner reads the
         zero pixel. Waits (once per segment, then free) for the segment's staging to land."""
         D, C = self.D, self.C
         zero_pixel = cutlass.Int32(self.stage_pixels)
         cute.arch.mbarrier_wait(staged_full, segment % 2)
         for level in cutlass.range_constexpr(self.L):
-            if staged[level]:
-                H, W = sizes[level]
-                base = offsets[level]
+            H, W, _, base = self.level_row(sLevels, level)
+            if base >= 0:
 
                 def corner(yy, xx, ok):
                     pixel = cutlass.select_(ok, base + yy * W + xx, zero_pixel)
                     return self.load_vector(sStaged.iterator + pixel * D + chunk * C)
 
-                self.gather_points(acc, self.level_locations(mLoc, n, q, m, level),
-                                   self.level_attention(mAttn, n, q, m, level), H, W, corner)
+                self.gather_points(acc, self.point_inputs(source, level), H, W, corner)
 
     @cute.jit
-    def gather_level_l1(self, acc, mValue, start, mLoc, mAttn, mZero, size, n, q, m, level: int, chunk):
+    def gather_level_l1(self, acc, mValue, start, source, mZero, size, n, m, level: int, chunk):
         """All points of one level gathered straight from global memory with 16-byte loads, which L1
         caches: neighbouring queries of a tile read overlapping footprints."""
         H, W = size
@@ -596,15 +709,16 @@ class MSDAForward:
             addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
             return self.load_vector(cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16))
 
-        self.gather_points(acc, self.level_locations(mLoc, n, q, m, level), self.level_attention(mAttn, n, q, m, level),
-                           H, W, corner)
+        self.gather_points(acc, self.point_inputs(source, level), H, W, corner)
 
     @cute.jit
-    def gather_points(self, acc, locs, attn, H, W, corner):
-        """acc += every point of one level: corner(yy, xx, inside_level) loads one corner's channels."""
+    def gather_points(self, acc, point_input, H, W, corner):
+        """acc += every point of one level: point_input(point) gives (x, y, attention weight),
+        corner(yy, xx, inside_level) loads one corner's channels."""
         for point in cutlass.range_constexpr(self.P):
-            (h, w, inside), x0, y0 = self.footprint(locs[2 * point], locs[2 * point + 1], H, W)
-            weights = self.corner_weights(h, w, inside, attn[point])
+            x, y, a = point_input(point)
+            (h, w, inside), x0, y0 = self.footprint(x, y, H, W)
+            weights = self.corner_weights(h, w, inside, a)
             vals = []
             for dy in cutlass.range_constexpr(2):
                 for dx in cutlass.range_constexpr(2):
@@ -613,18 +727,44 @@ class MSDAForward:
                     vals.append(corner(yy, xx, yy >= 0 and yy < H and xx >= 0 and xx < W))
             self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
 
+    def level_row(self, sLevels, level: int):
+        """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
+        return (cutlass.Int32(sLevels[level, 0]), cutlass.Int32(sLevels[level, 1]), sLevels[level, 2],
+                cutlass.Int32(sLevels[level, 3]))
+
+    def point_inputs(self, source, level: int):
+        """(x, y, attention weight) of each point of one level of a query, as a function of the point.
+        source is ("smem", locations stage, weights stage, slot): the query's row of the prefetched
+        tile, read point by point; or ("global", mLoc, mAttn, n, q, m): one vector load per level."""
+        P, LP = self.P, self.LP
+        if source[0] == "smem":
+            _, sLoc, sAttn, slot = source
+
+            def from_stage(point):
+                i = slot * (2 * LP) + (level * P + point) * 2
+                x = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
+                a = cute.make_tensor(sAttn.iterator + slot * LP + level * P + point, cute.make_layout(1)).load()
+                return x[0], x[1], a.to(cutlass.Float32)[0]
+            return from_stage
+        _, mLoc, mAttn, n, q, m = source
+        locs = self.level_locations(mLoc, n, q, m, level)
+        attn = self.level_attention(mAttn, n, q, m, level)
+        return lambda point: (locs[2 * point], locs[2 * point + 1], attn[point])
+
     @cute.jit
     def load_vector(self, ptr):
         return cute.make_tensor(ptr, cute.make_layout(self.C)).load().to(cutlass.Float32)
 
     @cute.jit
     def consumer(self, g, mValue, mLoc, mAttn, mOut, mZero, storage, sStaged, staged_full, work, tidx):
-        sizes, starts, levels_ok, staged, offsets, used, t_begin, t_end, blocks, rank = work
+        t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
+        sLevels = storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
         slot = tidx // self.T
         chunk = tidx % self.T
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
+        sLocRing, sAttnRing = self.input_rings(storage)
         index = cutlass.Int32(0)
         phase = cutlass.Int32(0)
         t = t_begin
@@ -638,16 +778,23 @@ class MSDAForward:
                 qc = cutlass.min(q, Lq - 1)
                 acc = cute.make_rmem_tensor(cute.make_layout(C), cutlass.Float32)
                 acc.fill(0.0)
+                source = ("global", mLoc, mAttn, n, qc, m)
+                if cutlass.const_expr(self.prefetch):
+                    cute.arch.mbarrier_wait(self.full_barrier(storage, g, index), phase)
+                    source = ("smem", sLocRing[None, index, g], sAttnRing[None, index, g], slot)
                 # Staged levels first: they overlap the boxes (or L1 misses) of the other levels.
-                self.gather_staged(acc, staged_full, segment, sStaged, staged, offsets, sizes, mLoc, mAttn, n, qc, m,
-                                   chunk)
+                self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
                 for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
-                    if not staged[level]:
-                        self.gather_level_l1(acc, mValue, starts[level], mLoc, mAttn, mZero, sizes[level], n, qc, m,
-                                             level, chunk)
+                    H, W, start, offset = self.level_row(sLevels, level)
+                    if offset < 0:
+                        self.gather_level_l1(acc, mValue, start, source, mZero, (H, W), n, m, level, chunk)
+                if cutlass.const_expr(self.prefetch):
+                    cute.arch.sync_warp()
+                    self.consumer_release(storage, g, index)
+                    index, phase = self.advance(index, phase)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
-                    if not staged[level]:
-                        H, W = sizes[level]
+                    H, W, _, offset = self.level_row(sLevels, level)
+                    if offset < 0:
                         locs = self.level_locations(mLoc, n, qc, m, level)
                         attn = self.level_attention(mAttn, n, qc, m, level)
                         for point in cutlass.range_constexpr(self.P):
@@ -665,7 +812,7 @@ class MSDAForward:
                             self.consumer_release(storage, g, index)
                             index, phase = self.advance(index, phase)
                 if q < Lq:
-                    if not levels_ok:
+                    if sLevels[self.L, 0] == 0:
                         acc.fill(cutlass.Float32(float("nan")))
                     out = cute.make_tensor(self.row(mOut, n, q, m, D, chunk * C, C), cute.make_layout(C))
                     out.store(acc.load().to(mOut.element_type))
@@ -795,7 +942,7 @@ def _kernel_for(cfg: KernelConfig):
 SMEM_PER_SM = 227 * 1024
 _sm_count: dict = {}
 # Defaults of the configuration knobs that are not part of the problem (see docs/performance.md).
-TUNING = dict(fine_gather="ldg", num_groups=7, num_stages=4, stage_bytes=96 * 1024, cluster_size=2)
+TUNING = dict(fine_gather="ldg", num_groups=5, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
 
 
 def _num_sms(device: torch.device) -> int:

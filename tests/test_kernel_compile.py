@@ -27,6 +27,8 @@ VARIANTS = [
                                      num_groups=2, num_stages=4, stage_bytes=0, cluster_size=1)),
     ("ldg-fp32-d64-l1p1", KernelConfig("float32", "float32", "float32", 1, 1, 1, 64, fine_gather="ldg")),
     ("ldg-bf16-d128", KernelConfig("bfloat16", "float32", "float16", 2, 2, 8, 128, fine_gather="ldg")),
+    ("ldg-prefetch-fp16", KernelConfig("float16", "float16", "float16", 8, 4, 8, 32, fine_gather="ldg", num_groups=5,
+                                       num_stages=2, cluster_size=2)),
 ]
 
 
@@ -64,6 +66,10 @@ def test_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert boxes == (cfg.fine_gather == "tma"), "2x2xD footprint boxes only in the TMA gather variant"
     if cfg.fine_gather == "ldg":
         assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
+    # With L1 gathers, producers prefetch each tile's locations and weights: two more 4-D TMA loads
+    # (shapes whose rows are not a multiple of 16 bytes read them in the consumers instead).
+    loads_4d = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.4d", ptx, re.M))
+    assert loads_4d == cfg.num_levels + (2 if cfg.prefetch_inputs else 0)
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # The shared-memory reads of boxes and staged pixels are 16-byte vectors.
