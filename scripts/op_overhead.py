@@ -52,6 +52,25 @@ def per_call_us(fn, number, repeats):
     return statistics.median(runs)
 
 
+def paired_difference_us(fn, baseline, number, repeats):
+    """Median over repeats of (time of fn - time of baseline), each pair timed back to back: steadier
+    than the difference of two medians on a busy machine."""
+    for _ in range(min(number, 1000)):
+        fn()
+        baseline()
+    diffs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        t1 = time.perf_counter()
+        for _ in range(number):
+            baseline()
+        t2 = time.perf_counter()
+        diffs.append(((t1 - t0) - (t2 - t1)) / number * 1e6)
+    return statistics.median(diffs)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -76,10 +95,16 @@ def main():
     assert op.kernel_unavailable_reason(0) is None
 
     shape = _checks.check_inputs(*cpu)
+    # The op's CPU kernel, as registered (custom_op keeps the decorated function as _init_fn).
+    cpu_body = getattr(op, "_forward_cpu", None) or op.forward._init_fn
     rows = []
+    timed = {}
 
-    def row(name, fn):
-        rows.append((name, per_call_us(fn, args.number, args.repeats)))
+    def row(name, fn, key=None):
+        us = per_call_us(fn, args.number, args.repeats)
+        rows.append((name, us))
+        if key:
+            timed[key] = us
 
     row("python call of an empty function (scale)", lambda: None)
     row("check_inputs, CPU level table (values read)", lambda: _checks.check_inputs(*cpu))
@@ -87,25 +112,41 @@ def main():
     row("check_inputs, everything on device", lambda: _checks.check_inputs(*on_device))
     row("check_inputs, check_values=False (fake impl)", lambda: _checks.check_inputs(*cpu, check_values=False))
     row("check_inputs, drop-in names", lambda: _checks.check_inputs(*cpu, names=_checks.DROP_IN_NAMES))
+    if hasattr(_checks, "validate"):  # the op's own entry to the same checks
+        row("_checks.validate, cuda-like, CPU level table", lambda: _checks.validate(*cuda_like))
+        row("_checks.validate, everything on device", lambda: _checks.validate(*on_device))
     if hasattr(op, "_trivial_output"):
         row("_trivial_output", lambda: op._trivial_output(cpu[0], shape))
-    if hasattr(op, "_level_tables_on"):
-        row("_level_tables_on, cuda-like, CPU table (cached copy)",
-            lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
-        row("_level_tables_on, same device", lambda: op._level_tables_on(cpu[0].device, cpu[1], cpu[2]))
+    row("_level_tables_on, cuda-like, CPU table (cached copy)",
+        lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
     row("kernel_unavailable_reason(0) (lru_cache hit)", lambda: op.kernel_unavailable_reason(0))
     row("msda_fwd.check_supported", lambda: msda_fwd.check_supported(cpu[0], L, P))
     row("5x .contiguous() (contiguous inputs)", lambda: [t.contiguous() for t in cpu])
+    row("op CPU kernel body (reference stubbed)", lambda: cpu_body(*cpu), "cpu_body")
     row("op CUDA kernel body, cuda-like, CPU level table", lambda: op._forward_cuda(*cuda_like))
-    row("op CUDA kernel body, everything on device", lambda: op._forward_cuda(*on_device))
+    row("op CUDA kernel body, everything on device", lambda: op._forward_cuda(*on_device), "cuda_body")
     row("op CUDA kernel body, CPU tensors", lambda: op._forward_cuda(*cpu))
-    row("torch.ops.cute_deform.forward (CPU, reference stubbed)", lambda: torch.ops.cute_deform.forward(*cpu))
+    row("torch.ops.cute_deform.forward (CPU, reference stubbed)", lambda: torch.ops.cute_deform.forward(*cpu), "op")
     with torch.no_grad():
         row("  same, under torch.no_grad()", lambda: torch.ops.cute_deform.forward(*cpu))
     with torch.inference_mode():
-        row("  same, under torch.inference_mode()", lambda: torch.ops.cute_deform.forward(*cpu))
+        row("  same, under torch.inference_mode()", lambda: torch.ops.cute_deform.forward(*cpu), "op_inference")
     row("torch.ops.cute_deform.forward.default (CPU, stubbed)", lambda: torch.ops.cute_deform.forward.default(*cpu))
     row("cute_deform.ms_deform_attn (drop-in, CPU, stubbed)", lambda: cute_deform.ms_deform_attn(*cpu))
+    # The dispatcher's share: the op on CPU tensors minus its CPU kernel called directly.
+    def op_call():
+        return torch.ops.cute_deform.forward(*cpu)
+
+    def body_call():
+        return cpu_body(*cpu)
+
+    dispatch = paired_difference_us(op_call, body_call, args.number, args.repeats)
+    rows.append(("= dispatcher + autograd layer (op - its CPU kernel, paired)", dispatch))
+    with torch.inference_mode():
+        rows.append(("= dispatcher, inference_mode (op - its CPU kernel, paired)",
+                     paired_difference_us(op_call, body_call, args.number, args.repeats)))
+    rows.append(("= op layer on a GPU, estimated (dispatcher + CUDA kernel body on device)",
+                 dispatch + timed["cuda_body"]))
 
     width = max(len(name) for name, _ in rows)
     print(f"torch {torch.__version__}; N={N} Lq={LQ} M={M} L={L} P={P} D={D}; median of {args.repeats} x "
