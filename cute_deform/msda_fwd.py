@@ -88,6 +88,8 @@ class KernelConfig:
     fine_gather: str = "tma"  # levels that are not staged: "tma" boxes through the ring, or "ldg" through L1
 
     def __post_init__(self):
+        if self.num_groups == 0:  # automatic: as many groups as fit beside the staged levels
+            object.__setattr__(self, "num_groups", self._auto_groups())
         if self.threads > 1024:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
 
@@ -95,14 +97,28 @@ class KernelConfig:
     def itemsize(self) -> int:
         return _ITEMSIZE[self.value_dtype]
 
+    def _auto_groups(self) -> int:
+        """Six groups (30 warps, 64 registers a thread) where the prefetch rings leave ~100 KB of shared
+        memory for the staged levels; fewer where the rings are larger (many points, fp32 inputs)."""
+        if self.fine_gather == "tma":
+            return 4
+        for groups in (6, 5, 4, 3, 2):
+            if not self._inputs_fit_tma or groups * self.num_stages * self.input_stage_bytes <= AUTO_RING_BYTES:
+                return groups
+        return 1
+
+    @property
+    def _inputs_fit_tma(self) -> bool:
+        return (self.level_points * 2 * _ITEMSIZE[self.loc_dtype] % 16 == 0
+                and self.level_points * _ITEMSIZE[self.attn_dtype] % 16 == 0)
+
     @property
     def prefetch_inputs(self) -> bool:
         """With L1 gathers, producer warps load each tile's locations and attention weights into a ring
         of shared-memory stages with two TMA boxes, ahead of the consumers. TMA needs rows of a multiple
         of 16 bytes, and the ring must leave room for the staged levels; other shapes read them from
         global memory in the consumers."""
-        return (self.fine_gather == "ldg" and self.level_points * 2 * _ITEMSIZE[self.loc_dtype] % 16 == 0
-                and self.level_points * _ITEMSIZE[self.attn_dtype] % 16 == 0
+        return (self.fine_gather == "ldg" and self._inputs_fit_tma
                 and self.num_groups * self.num_stages * self.input_stage_bytes <= SMEM_PER_SM - 64 * 1024)
 
     @property
@@ -178,10 +194,16 @@ class KernelConfig:
         return self.num_groups * self.num_stages if self.fine_gather == "tma" else 1
 
     @property
+    def map_slots(self) -> int:
+        """Tensor maps a CTA patches: each level's staging map (group 0 stages), and with per-sample
+        boxes each group's own box map of every level."""
+        return self.num_levels * (1 + (self.num_groups if self.fine_gather == "tma" else 0))
+
+    @property
     def _smem_without_staging(self) -> int:
-        ring = self.ring_slots * self.queries_per_tile * self.box_bytes
+        ring = self.ring_slots * self.queries_per_tile * self.box_bytes if self.fine_gather == "tma" else 128
         inputs = self.input_slots * self.input_stage_bytes
-        maps = 2 * self.num_levels * self.num_groups * TENSORMAP_BYTES
+        maps = self.map_slots * TENSORMAP_BYTES
         return ring + inputs + maps + 16 * self.num_stages * self.num_groups + 1024
 
     @property
@@ -222,7 +244,8 @@ class MSDAForward:
         self.stage_pixels = config.stage_pixels
         self.boxes_per_lane = (self.G + 31) // 32
         self.ring_levels = config.fine_gather == "tma"
-        self.ring_shape = (self.G * 4 * self.D, self.stages, self.groups) if self.ring_levels else (self.G * 4 * self.D, 1, 1)
+        # Without per-sample boxes the box ring is a never-read placeholder of 8 elements.
+        self.ring_shape = (self.G * 4 * self.D, self.stages, self.groups) if self.ring_levels else (8, 1, 1)
         self.prefetch = config.prefetch_inputs
         self.LP = self.L * self.P
         self.loc_dtype = _dsl_dtype(config.loc_dtype)
@@ -274,8 +297,8 @@ class MSDAForward:
             ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
             staged_full: cute.struct.MemRange[cutlass.Int64, 2]
             levels: cute.struct.MemRange[cutlass.Int64, 4 * (self.L + 1)]
-            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * 2 * self.L * self.groups], 128]
-            ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, self.cfg.ring_slots * self.G * 4 * D], 128]
+            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * self.cfg.map_slots], 128]
+            ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, math.prod(self.ring_shape)], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
             loc_ring: cute.struct.Align[cute.struct.MemRange[self.loc_dtype, math.prod(self.loc_ring_shape)], 128]
             attn_ring: cute.struct.Align[cute.struct.MemRange[self.attn_dtype, math.prod(self.attn_ring_shape)], 128]
@@ -447,26 +470,28 @@ class MSDAForward:
             cute.arch.barrier()
 
     @cute.jit
-    def publish_map(self, template, slot, mDesc, sMaps, bidx, patch):
+    def publish_map(self, template, slot, mDesc, sMaps, bidx, patch, owner=True):
         """Copy a template tensor map to shared memory, patch it, and publish it to this CTA's global
-        slot with a proxy fence: the TMA unit reads maps through the tensormap proxy."""
-        lane = cute.arch.lane_idx()
-        words = cutlass.Pointer(template.get_ptr(), dtype=cutlass.Int64)
-        if lane < 16:
-            sMaps[lane, slot] = (words + lane).load()
-        cute.arch.sync_warp()
-        smem_map = cutlass.Pointer(sMaps[None, slot].iterator.llvm_ptr, dtype=cutlass.Int64)
-        with cute.arch.elect_one():
-            for field, value, ordinal in patch:
-                if cutlass.const_expr(ordinal is None):
-                    prims.tensormap_replace(field, smem_map, new_value=value)
-                else:
-                    prims.tensormap_replace(field, smem_map, new_value=value, ord=ordinal)
-        cute.arch.sync_warp()
-        gmem_map = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES).get_tensormap_ptr(
-            mDesc[bidx, slot, None].iterator)
-        cpasync.cp_fence_tma_desc_release(gmem_map, sMaps[None, slot].iterator)
-        cpasync.fence_tma_desc_acquire(gmem_map)
+        slot with a proxy fence: the TMA unit reads maps through the tensormap proxy. Only the owner
+        warp of a slot writes it; every warp gets its address."""
+        if owner:
+            lane = cute.arch.lane_idx()
+            words = cutlass.Pointer(template.get_ptr(), dtype=cutlass.Int64)
+            if lane < 16:
+                sMaps[lane, slot] = (words + lane).load()
+            cute.arch.sync_warp()
+            smem_map = cutlass.Pointer(sMaps[None, slot].iterator.llvm_ptr, dtype=cutlass.Int64)
+            with cute.arch.elect_one():
+                for field, value, ordinal in patch:
+                    if cutlass.const_expr(ordinal is None):
+                        prims.tensormap_replace(field, smem_map, new_value=value)
+                    else:
+                        prims.tensormap_replace(field, smem_map, new_value=value, ord=ordinal)
+            cute.arch.sync_warp()
+            gmem_map = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES).get_tensormap_ptr(
+                mDesc[bidx, slot, None].iterator)
+            cpasync.cp_fence_tma_desc_release(gmem_map, sMaps[None, slot].iterator)
+            cpasync.fence_tma_desc_acquire(gmem_map)
         return TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES).get_tensormap_ptr(
             mDesc[bidx, slot, None].iterator, cutlass.AddressSpace.generic)
 
@@ -477,7 +502,7 @@ class MSDAForward:
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         M, D, e = self.M, self.D, self.cfg.itemsize
-        sMaps = storage.maps.get_tensor(cute.make_layout((16, 2 * self.L * self.groups)))
+        sMaps = storage.maps.get_tensor(cute.make_layout((16, self.cfg.map_slots)))
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
         sLocRing, sAttnRing = self.input_rings(storage)
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
@@ -488,12 +513,14 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             H, W = sizes[level]
             base = mValue.iterator.toint() + starts[level] * (M * D * e)
-            # Each group publishes its own copy: no two warps ever patch the same map.
-            box_maps.append(self.publish_map(box_template, 2 * self.L * g + level, mDesc, sMaps, bidx, [
-                (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, W, 2), (F.GLOBAL_DIM, H, 3),
-                (F.GLOBAL_STRIDE, cutlass.Int64(W) * (M * D * e), 2)]))
-            stage_maps.append(self.publish_map(stage_template, 2 * self.L * g + self.L + level, mDesc, sMaps, bidx, [
-                (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, H * W, 2)]))
+            # Each group publishes its own box maps (no two warps ever patch the same map); group 0,
+            # which stages, the staging maps. Other groups' stage_maps entries are never used.
+            if cutlass.const_expr(self.ring_levels):
+                box_maps.append(self.publish_map(box_template, self.L * (1 + g) + level, mDesc, sMaps, bidx, [
+                    (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, W, 2), (F.GLOBAL_DIM, H, 3),
+                    (F.GLOBAL_STRIDE, cutlass.Int64(W) * (M * D * e), 2)]))
+            stage_maps.append(self.publish_map(stage_template, level, mDesc, sMaps, bidx, [
+                (F.GLOBAL_ADDRESS, base, None), (F.GLOBAL_DIM, H * W, 2)], owner=g == 0))
 
         index = cutlass.Int32(0)
         phase = cutlass.Int32(0)
@@ -840,7 +867,7 @@ def _sym_fake_tensors(cfg: KernelConfig):
         row_major(ldt, (n, lq, M, L, P, 2), 16),
         row_major(adt, (n, lq, M, L, P), 16),
         row_major(vdt, (n, lq, M, D), 16),
-        row_major(cutlass.Int64, (grid, cfg.num_groups * 2 * L, 16), 128),
+        row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128),
         row_major(vdt, (D,), 16),
     )
 
@@ -942,7 +969,9 @@ def _kernel_for(cfg: KernelConfig):
 SMEM_PER_SM = 227 * 1024
 _sm_count: dict = {}
 # Defaults of the configuration knobs that are not part of the problem (see docs/performance.md).
-TUNING = dict(fine_gather="ldg", num_groups=5, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
+# num_groups=0 picks the group count from the prefetch ring's size (KernelConfig._auto_groups).
+TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
+AUTO_RING_BYTES = 144 * 1024
 
 
 def _num_sms(device: torch.device) -> int:
@@ -979,35 +1008,70 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
-    """Run the kernel on validated CUDA tensors on an sm_90 device; returns (N, Lq, M*D) in value's dtype."""
-    with torch.cuda.device(value.device):  # the launch goes to the current stream of value's device
+    """Run the kernel on validated CUDA tensors on an sm_90 device; returns (N, Lq, M*D) in value's dtype.
+    The launch goes to the current stream of value's device."""
+    index = value.get_device()
+    if index == torch.cuda.current_device():
         return _launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning)
+    with torch.cuda.device(index):
+        return _launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning)
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What a call needs besides the tensors, worked out once per static key (the host hot path then
+    does no configuration arithmetic)."""
+
+    fn: object
+    queries_per_tile: int
+    max_grid: int
+    cluster_size: int
+    map_slots: int
+
+
+_plans: dict = {}
+
+
+def _plan_for(value, sampling_locations, attention_weights, tuning) -> _LaunchPlan:
+    key = (value.dtype, sampling_locations.dtype, attention_weights.dtype, value.shape[2], value.shape[3],
+           sampling_locations.shape[3], sampling_locations.shape[4], value.get_device(),
+           tuple(sorted(tuning.items())))
+    plan = _plans.get(key)
+    if plan is None:
+        cfg = config_for(value, sampling_locations, attention_weights, **tuning)
+        plan = _LaunchPlan(_kernel_for(cfg), cfg.queries_per_tile, _num_sms(value.device) * cfg.ctas_per_sm,
+                           cfg.cluster_size, cfg.map_slots)
+        _plans[key] = plan
+    return plan
+
+
+def _as_table(t: torch.Tensor, device) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.device == device and t.is_contiguous():
+        return t
+    return t.to(device=device, dtype=torch.int64).contiguous()
 
 
 def _launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
     N, S, M, D = value.shape
     Lq = sampling_locations.shape[1]
-    L = sampling_locations.shape[3]
-    cfg = config_for(value, sampling_locations, attention_weights, **tuning)
-    fn = _kernel_for(cfg)
+    plan = _plan_for(value, sampling_locations, attention_weights, tuning)
     device = value.device
-    out = torch.empty((N, Lq, M * D), dtype=value.dtype, device=device)
+    out = torch.empty((N, Lq, M, D), dtype=value.dtype, device=device)
     if out.numel() == 0:
-        return out
-    num_tiles = N * M * math.ceil(Lq / cfg.queries_per_tile)
-    ctas_per_sm = cfg.ctas_per_sm
-    grid = min(num_tiles, _num_sms(device) * ctas_per_sm)
-    grid = (grid + cfg.cluster_size - 1) // cfg.cluster_size * cfg.cluster_size
-    maps = torch.empty((grid, cfg.num_groups * 2 * L, 16), dtype=torch.int64, device=device)
-    fn(
+        return out.view(N, Lq, M * D)
+    num_tiles = N * M * -(-Lq // plan.queries_per_tile)
+    grid = min(num_tiles, plan.max_grid)
+    grid = -(-grid // plan.cluster_size) * plan.cluster_size
+    maps = torch.empty((grid, plan.map_slots, 16), dtype=torch.int64, device=device)
+    plan.fn(
         _aligned(value),
-        spatial_shapes.to(device=device, dtype=torch.int64).contiguous(),
-        level_start_index.to(device=device, dtype=torch.int64).contiguous(),
+        _as_table(spatial_shapes, device),
+        _as_table(level_start_index, device),
         _aligned(sampling_locations),
         _aligned(attention_weights),
-        out.view(N, Lq, M, D),
+        out,
         maps,
         _zeros(D, value.dtype, device),
         grid,
     )
-    return out
+    return out.view(N, Lq, M * D)
