@@ -713,11 +713,11 @@ class MSDAForward:
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
 
-                def corner(yy, xx, ok):
-                    pixel = cutlass.select_(ok, base + yy * W + xx, zero_pixel)
+                def corner(top_left, dy: int, dx: int, ok):
+                    pixel = cutlass.select_(ok, top_left + (W if dy else 0) + dx, zero_pixel)
                     return self.load_vector(sStaged.iterator + pixel * D + chunk * C)
 
-                self.gather_points(acc, self.point_inputs(source, level), H, W, corner)
+                self.gather_points(acc, self.point_inputs(source, level), H, W, lambda p: base + p, corner)
 
     @cute.jit
     def gather_level_l1(self, acc, mValue, start, source, mZero, size, n, m, level: int, chunk):
@@ -730,28 +730,36 @@ class MSDAForward:
         level_base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                       + (m * self.D + chunk * self.C) * e)
         zero = mZero.iterator.toint() + chunk * self.C * e
+        row_bytes = cutlass.Int64(W) * pixel_bytes
 
-        def corner(yy, xx, ok):
+        def corner(top_left, dy: int, dx: int, ok):
             # A corner outside the level reads zeros, exactly as the original kernel skips it.
-            addr = cutlass.select_(ok, level_base + cutlass.Int64(yy * W + xx) * pixel_bytes, zero)
+            offset = (row_bytes if dy else 0) + (pixel_bytes if dx else 0)
+            addr = cutlass.select_(ok, top_left + offset if dy or dx else top_left, zero)
             return self.load_vector(cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16))
 
-        self.gather_points(acc, self.point_inputs(source, level), H, W, corner)
+        self.gather_points(acc, self.point_inputs(source, level), H, W,
+                           lambda p: level_base + cutlass.Int64(p) * pixel_bytes, corner)
 
     @cute.jit
-    def gather_points(self, acc, point_input, H, W, corner):
+    def gather_points(self, acc, point_input, H, W, top_left, corner):
         """acc += every point of one level: point_input(point) gives (x, y, attention weight),
-        corner(yy, xx, inside_level) loads one corner's channels."""
+        top_left(pixel index) the footprint's first corner, corner(top_left, dy, dx, inside_level) loads
+        one corner's channels. The corners are offsets from the first, and a coordinate is inside
+        [0, n) when it is below n as an unsigned number: 4 compares a sample, not 16."""
+        Wu = cutlass.Uint32(W)
+        Hu = cutlass.Uint32(H)
         for point in cutlass.range_constexpr(self.P):
             x, y, a = point_input(point)
             (h, w, inside), x0, y0 = self.footprint(x, y, H, W)
             weights = self.corner_weights(h, w, inside, a)
+            cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
+            rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+            first = top_left(y0 * W + x0)
             vals = []
             for dy in cutlass.range_constexpr(2):
                 for dx in cutlass.range_constexpr(2):
-                    yy = y0 + dy
-                    xx = x0 + dx
-                    vals.append(corner(yy, xx, yy >= 0 and yy < H and xx >= 0 and xx < W))
+                    vals.append(corner(first, dy, dx, rows[dy] and cols[dx]))
             self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
 
     def level_row(self, sLevels, level: int):
@@ -971,7 +979,7 @@ _sm_count: dict = {}
 # Defaults of the configuration knobs that are not part of the problem (see docs/performance.md).
 # num_groups=0 picks the group count from the prefetch ring's size (KernelConfig._auto_groups).
 TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
-AUTO_RING_BYTES = 144 * 1024
+AUTO_RING_BYTES = 120 * 1024
 
 
 def _num_sms(device: torch.device) -> int:
