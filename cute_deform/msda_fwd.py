@@ -45,6 +45,8 @@ TENSORMAP_BYTES = 128
 SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128)
 MAX_LEVELS = 5
 MAX_POINTS = 16
+RECORD_BYTES = 24  # a sample's footprint record: 4 corner weights (fp32), first corner, inside mask
+RECORD_UNROLL = 2  # points gathered together from records: more holds too many loads in registers
 
 _TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -86,6 +88,7 @@ class KernelConfig:
     stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 sends every level through boxes
     cluster_size: int = 1  # 2: CTA pairs split each (image, head) and multicast the staged levels
     fine_gather: str = "tma"  # levels that are not staged: "tma" boxes through the ring, or "ldg" through L1
+    footprint_records: bool = False  # with prefetched inputs: each sample's footprint computed once a group
 
     def __post_init__(self):
         if self.num_groups == 0:  # automatic: as many groups as fit beside the staged levels
@@ -104,7 +107,7 @@ class KernelConfig:
         if self.fine_gather == "tma":
             return 4
         for groups in (5, 4, 3, 2):
-            if not self._inputs_fit_tma or groups * self.num_stages * self.input_stage_bytes <= AUTO_RING_BYTES:
+            if not self._inputs_fit_tma or groups * self._group_ring_bytes <= AUTO_RING_BYTES:
                 return groups
         return 1
 
@@ -120,7 +123,19 @@ class KernelConfig:
         of 16 bytes, and the ring must leave room for the staged levels; other shapes read them from
         global memory in the consumers."""
         return (self.fine_gather == "ldg" and self._inputs_fit_tma
-                and self.num_groups * self.num_stages * self.input_stage_bytes <= SMEM_PER_SM - 64 * 1024)
+                and self.num_groups * self._group_ring_bytes <= SMEM_PER_SM - 64 * 1024)
+
+    @property
+    def _group_ring_bytes(self) -> int:
+        """A group's shared memory for its prefetched inputs and, with footprint records, its records."""
+        records = 2 * self.queries_per_tile * self.num_points * RECORD_BYTES if self.footprint_records else 0
+        return self.num_stages * self.input_stage_bytes + records
+
+    @property
+    def records(self) -> bool:
+        """Consumers compute each sample's corner weights and first corner once into shared memory
+        (a quarter of the threads' arithmetic), then every thread of the query gathers from them."""
+        return self.footprint_records and self.prefetch_inputs
 
     @property
     def input_stage_bytes(self) -> int:
@@ -204,6 +219,8 @@ class KernelConfig:
     def _smem_without_staging(self) -> int:
         ring = self.ring_slots * self.queries_per_tile * self.box_bytes if self.fine_gather == "tma" else 128
         inputs = self.input_slots * self.input_stage_bytes
+        if self.records:
+            inputs += self.num_groups * 2 * self.queries_per_tile * self.num_points * RECORD_BYTES
         maps = self.map_slots * TENSORMAP_BYTES
         return ring + inputs + maps + 16 * self.num_stages * self.num_groups + 1024
 
@@ -254,6 +271,10 @@ class MSDAForward:
         input_stages = (self.stages, self.groups) if self.prefetch else (1, 1)
         self.loc_ring_shape = (config.loc_stage_elems,) + input_stages
         self.attn_ring_shape = (config.attn_stage_elems,) + input_stages
+        self.records = config.records
+        GP = self.G * self.P
+        self.rec_weight_shape = (4, GP, 2, self.groups) if self.records else (4, 1, 1, 1)
+        self.rec_index_shape = (2, GP, 2, self.groups) if self.records else (2, 1, 1, 1)
         self.consumer_threads = CONSUMER_WARPS * 32
         self.producer_warps = config.producer_warps
         self.threads = config.threads
@@ -303,6 +324,8 @@ class MSDAForward:
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
             loc_ring: cute.struct.Align[cute.struct.MemRange[self.loc_dtype, math.prod(self.loc_ring_shape)], 128]
             attn_ring: cute.struct.Align[cute.struct.MemRange[self.attn_dtype, math.prod(self.attn_ring_shape)], 128]
+            rec_weights: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, math.prod(self.rec_weight_shape)], 16]
+            rec_index: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, math.prod(self.rec_index_shape)], 16]
 
         self.shared_storage = SharedStorage
         Lq = mLoc.shape[1]
@@ -707,24 +730,36 @@ class MSDAForward:
     def gather_staged(self, acc, staged_full, segment, sStaged, sLevels, source, chunk):
         """All points of the staged levels, read from shared memory; an out-of-level corner reads the
         zero pixel. Waits (once per segment, then free) for the segment's staging to land."""
-        D, C = self.D, self.C
-        zero_pixel = cutlass.Int32(self.stage_pixels)
         cute.arch.mbarrier_wait(staged_full, segment % 2)
         for level in cutlass.range_constexpr(self.L):
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
+                self.gather_points(acc, self.point_inputs(source, level), H, W,
+                                   *self.staged_corners(sStaged, base, W, chunk))
 
-                def corner(top_left, dy: int, dx: int, ok):
-                    pixel = cutlass.select_(ok, top_left + (W if dy else 0) + dx, zero_pixel)
-                    return self.load_vector(sStaged.iterator + pixel * D + chunk * C)
+    def staged_corners(self, sStaged, base, W, chunk):
+        """(first corner of a footprint from its pixel index, a corner's channels) in a staged level;
+        an out-of-level corner reads the zero pixel after the staged levels."""
+        D, C = self.D, self.C
+        zero_pixel = cutlass.Int32(self.stage_pixels)
 
-                self.gather_points(acc, self.point_inputs(source, level), H, W, lambda p: base + p, corner)
+        def corner(top_left, dy: int, dx: int, ok):
+            pixel = cutlass.select_(ok, top_left + (W if dy else 0) + dx, zero_pixel)
+            return self.load_vector(sStaged.iterator + pixel * D + chunk * C)
+
+        return (lambda p: base + p), corner
 
     @cute.jit
     def gather_level_l1(self, acc, mValue, start, source, mZero, size, n, m, level: int, chunk):
         """All points of one level gathered straight from global memory with 16-byte loads, which L1
         caches: neighbouring queries of a tile read overlapping footprints."""
         H, W = size
+        self.gather_points(acc, self.point_inputs(source, level), H, W,
+                           *self.l1_corners(mValue, start, mZero, W, n, m, chunk))
+
+    def l1_corners(self, mValue, start, mZero, W, n, m, chunk):
+        """(first corner's address from its pixel index, a corner's channels) in a level read from
+        global memory with 16-byte loads through L1."""
         S = mValue.shape[1]
         e = self.cfg.itemsize
         pixel_bytes = self.M * self.D * e
@@ -739,8 +774,7 @@ class MSDAForward:
             addr = cutlass.select_(ok, top_left + offset if dy or dx else top_left, zero)
             return self.load_vector(cute.make_ptr(self.value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16))
 
-        self.gather_points(acc, self.point_inputs(source, level), H, W,
-                           lambda p: level_base + cutlass.Int64(p) * pixel_bytes, corner)
+        return (lambda p: level_base + cutlass.Int64(p) * pixel_bytes), corner
 
     @cute.jit
     def gather_points(self, acc, point_input, H, W, top_left, corner):
@@ -762,6 +796,49 @@ class MSDAForward:
                 for dx in cutlass.range_constexpr(2):
                     vals.append(corner(first, dy, dx, rows[dy] and cols[dx]))
             self.accumulate(acc, weights, vals[0], vals[1], vals[2], vals[3])
+
+    @cute.jit
+    def write_records(self, sRecW, sRecI, buf, g, sLoc, sAttn, level: int, H, W, tidx):
+        """Phase one of a level with footprint records: the group's 128 consumer threads compute every
+        sample of the tile once (corner weights times the attention weight, first corner, inside mask)."""
+        P, LP, GP = self.P, self.LP, self.G * self.P
+        Wu = cutlass.Uint32(W)
+        Hu = cutlass.Uint32(H)
+        for k in cutlass.range_constexpr((GP + self.consumer_threads - 1) // self.consumer_threads):
+            s = tidx + self.consumer_threads * k
+            if s < GP:
+                query = s // P
+                point = s % P
+                i = query * (2 * LP) + (level * P + point) * 2
+                xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
+                a = cute.make_tensor(sAttn.iterator + query * LP + level * P + point, cute.make_layout(1)).load()
+                (h, w, inside), x0, y0 = self.footprint(xy[0], xy[1], H, W)
+                weights = self.corner_weights(h, w, inside, a.to(cutlass.Float32)[0])
+                cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
+                rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+                mask = cutlass.Int32(0)
+                for dy in cutlass.range_constexpr(2):
+                    for dx in cutlass.range_constexpr(2):
+                        mask = mask | cutlass.select_(rows[dy] and cols[dx], 1 << (2 * dy + dx), 0)
+                for c in cutlass.range_constexpr(4):
+                    sRecW[c, s, buf, g] = weights[c]
+                sRecI[0, s, buf, g] = y0 * W + x0
+                sRecI[1, s, buf, g] = mask
+
+    @cute.jit
+    def gather_records(self, acc, sRecW, sRecI, buf, g, slot, top_left, corner):
+        """Phase two: every point of one level of this thread's query from the group's records."""
+        for point in cutlass.range(self.P, unroll=RECORD_UNROLL):
+            r = slot * self.P + point
+            weights = cute.make_tensor(sRecW[None, r, buf, g].iterator, cute.make_layout(4)).load()
+            index = cute.make_tensor(sRecI[None, r, buf, g].iterator, cute.make_layout(2)).load()
+            first = top_left(index[0])
+            mask = index[1]
+            vals = []
+            for dy in cutlass.range_constexpr(2):
+                for dx in cutlass.range_constexpr(2):
+                    vals.append(corner(first, dy, dx, (mask & (1 << (2 * dy + dx))) != 0))
+            self.accumulate(acc, (weights[0], weights[1], weights[2], weights[3]), vals[0], vals[1], vals[2], vals[3])
 
     def level_row(self, sLevels, level: int):
         """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
@@ -801,6 +878,9 @@ class MSDAForward:
         chunk = tidx % self.T
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
         sLocRing, sAttnRing = self.input_rings(storage)
+        sRecW = storage.rec_weights.get_tensor(cute.make_layout(self.rec_weight_shape))
+        sRecI = storage.rec_index.get_tensor(cute.make_layout(self.rec_index_shape))
+        buf = cutlass.Int32(0)
         index = cutlass.Int32(0)
         phase = cutlass.Int32(0)
         t = t_begin
@@ -818,16 +898,39 @@ class MSDAForward:
                 if cutlass.const_expr(self.prefetch):
                     cute.arch.mbarrier_wait(self.full_barrier(storage, g, index), phase)
                     source = ("smem", sLocRing[None, index, g], sAttnRing[None, index, g], slot)
-                # Staged levels first: they overlap the boxes (or L1 misses) of the other levels.
-                self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
-                for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
-                    H, W, start, offset = self.level_row(sLevels, level)
-                    if offset < 0:
-                        self.gather_level_l1(acc, mValue, start, source, mZero, (H, W), n, m, level, chunk)
-                if cutlass.const_expr(self.prefetch):
-                    cute.arch.sync_warp()
-                    self.consumer_release(storage, g, index)
-                    index, phase = self.advance(index, phase)
+                if cutlass.const_expr(self.records):
+                    # Per level: records, the group's barrier, gathers. Two record buffers alternate, so
+                    # one barrier a level suffices. Coarsest (staged) levels first.
+                    cute.arch.mbarrier_wait(staged_full, segment % 2)
+                    for step in cutlass.range_constexpr(self.L):
+                        level = self.L - 1 - step
+                        H, W, start, offset = self.level_row(sLevels, level)
+                        self.write_records(sRecW, sRecI, buf, g, sLocRing[None, index, g], sAttnRing[None, index, g],
+                                           level, H, W, tidx)
+                        cute.arch.barrier(barrier_id=1 + g, number_of_threads=self.consumer_threads)
+                        if cutlass.const_expr(step == self.L - 1):
+                            # Every warp of the group has read the tile's inputs: the stage may refill
+                            # while the last level is gathered.
+                            self.consumer_release(storage, g, index)
+                            index, phase = self.advance(index, phase)
+                        if offset >= 0:
+                            self.gather_records(acc, sRecW, sRecI, buf, g, slot,
+                                                *self.staged_corners(sStaged, offset, W, chunk))
+                        else:
+                            self.gather_records(acc, sRecW, sRecI, buf, g, slot,
+                                                *self.l1_corners(mValue, start, mZero, W, n, m, chunk))
+                        buf = buf ^ 1
+                else:
+                    # Staged levels first: they overlap the boxes (or L1 misses) of the other levels.
+                    self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
+                    for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
+                        H, W, start, offset = self.level_row(sLevels, level)
+                        if offset < 0:
+                            self.gather_level_l1(acc, mValue, start, source, mZero, (H, W), n, m, level, chunk)
+                    if cutlass.const_expr(self.prefetch):
+                        cute.arch.sync_warp()
+                        self.consumer_release(storage, g, index)
+                        index, phase = self.advance(index, phase)
                 for level in cutlass.range_constexpr(self.L if self.ring_levels else 0):
                     H, W, _, offset = self.level_row(sLevels, level)
                     if offset < 0:

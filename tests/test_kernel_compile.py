@@ -29,6 +29,8 @@ VARIANTS = [
     ("ldg-bf16-d128", KernelConfig("bfloat16", "float32", "float16", 2, 2, 8, 128, fine_gather="ldg")),
     ("ldg-prefetch-fp16", KernelConfig("float16", "float16", "float16", 8, 4, 8, 32, fine_gather="ldg", num_groups=5,
                                        num_stages=2, cluster_size=2)),
+    ("ldg-records", KernelConfig("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="ldg", num_groups=5,
+                                 num_stages=1, cluster_size=2, footprint_records=True)),
 ]
 
 
@@ -70,6 +72,8 @@ def test_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     # (shapes whose rows are not a multiple of 16 bytes read them in the consumers instead).
     loads_4d = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.4d", ptx, re.M))
     assert loads_4d == cfg.num_levels + (2 if cfg.prefetch_inputs else 0)
+    # Footprint records: a named barrier per group (bar.sync with a thread count) between the phases.
+    assert cfg.records == bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+%?\w+,\s*128;", ptx))
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # The shared-memory reads of boxes and staged pixels are 16-byte vectors.

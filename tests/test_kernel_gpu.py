@@ -17,12 +17,13 @@ BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 # others are small, odd, and include H = 1 and W = 1.
 LEVELS = [(40, 57), (13, 17), (7, 1), (1, 9), (5, 6)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Kernel variants: the default, per-sample TMA boxes, no multicast, no staging at all.
+# Kernel variants: the default, per-sample TMA boxes, no multicast, no staging at all, footprint records.
 VARIANTS = {
     "default": {},
     "tma": dict(fine_gather="tma", num_groups=3, num_stages=4),
     "nocluster": dict(cluster_size=1),
     "nostage": dict(stage_bytes=0, cluster_size=1),
+    "records": dict(footprint_records=True),
 }
 
 
@@ -32,11 +33,11 @@ def cases():
     for (vname, lname, D), variant in itertools.product(
             itertools.product(("fp32", "fp16", "bf16"), ("fp32", "fp16"), (16, 32, 64)), ("default", "tma")):
         out.append(dict(value=vname, loc=lname, D=D, L=4, P=4, M=8, variant=variant))
-    # Every level count x point count.
-    for L, P in itertools.product(range(1, 6), (1, 2, 4, 8, 16)):
-        out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant="default"))
+    # Every level count x point count, with and without footprint records.
+    for (L, P), variant in itertools.product(itertools.product(range(1, 6), (1, 2, 4, 8, 16)), ("default", "records")):
+        out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant=variant))
     # The remaining variants.
-    for variant in ("nocluster", "nostage"):
+    for variant in ("nocluster", "nostage", "records"):
         for vname in ("fp32", "bf16"):
             out.append(dict(value=vname, loc="fp16", D=32, L=5, P=8, M=8, variant=variant))
     return out
