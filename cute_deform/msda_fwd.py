@@ -89,6 +89,8 @@ class KernelConfig:
     cluster_size: int = 1  # 2: CTA pairs split each (image, head) and multicast the staged levels
     fine_gather: str = "tma"  # levels that are not staged: "tma" boxes through the ring, or "ldg" through L1
     footprint_records: bool = False  # with prefetched inputs: each sample's footprint computed once a group
+    whole_segments: bool = True  # whole (image, head) segments per cluster where that is nearly free
+    l1_first: bool = False  # L1 levels before staged ones: a segment's first tile starts before its staging
 
     def __post_init__(self):
         if self.num_groups == 0:  # automatic: as many groups as fit beside the staged levels
@@ -430,9 +432,9 @@ class MSDAForward:
         Lq = mLoc.shape[1]
         cluster_id = cutlass.Int64(bidx // self.cluster)
         clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
-        t_begin = cluster_id * num_tiles // clusters
-        t_end = (cluster_id + 1) * num_tiles // clusters
         blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
+        t_begin = self.range_boundary(cluster_id, clusters, num_tiles, blocks)
+        t_end = self.range_boundary(cluster_id + 1, clusters, num_tiles, blocks)
         rank = cutlass.Int32(0)
         if cutlass.const_expr(self.cluster > 1):
             rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
@@ -477,6 +479,20 @@ class MSDAForward:
             sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
             starts.append(cutlass.select_(ok, start, cutlass.Int64(0)))
         return sizes, starts, levels_ok
+
+    @cute.jit
+    def range_boundary(self, i, clusters, num_tiles, blocks):
+        """Where cluster i's range of tiles begins: an even split; or whole (image, head) segments per
+        cluster where that lengthens the longest range by at most half a tile a group (few queries,
+        many images and heads). A range that straddles two segments stages twice and meets a CTA-wide
+        barrier in between. The host picks l1_first by the same test (whole_segments_fit)."""
+        b = i * num_tiles // clusters
+        if cutlass.const_expr(self.cfg.whole_segments):
+            segments = num_tiles // blocks
+            slack = cutlass.Int64(self.groups * self.cluster // 2)
+            whole = (segments + clusters - 1) // clusters * blocks * clusters <= num_tiles + slack * clusters
+            b = cutlass.select_(whole, i * segments // clusters * blocks, b)
+        return b
 
     @cute.jit
     def segment_at(self, t, t_end, blocks):
@@ -921,12 +937,17 @@ class MSDAForward:
                                                 *self.l1_corners(mValue, start, mZero, W, n, m, chunk))
                         buf = buf ^ 1
                 else:
-                    # Staged levels first: they overlap the boxes (or L1 misses) of the other levels.
-                    self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
+                    # With per-sample boxes, the staged levels first: they overlap the boxes in flight.
+                    # With L1 gathers, the L1 levels first: a segment's first tile need not wait for its
+                    # staging before it can start.
+                    if cutlass.const_expr(self.ring_levels or not self.cfg.l1_first):
+                        self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
                     for level in cutlass.range_constexpr(self.L if not self.ring_levels else 0):
                         H, W, start, offset = self.level_row(sLevels, level)
                         if offset < 0:
                             self.gather_level_l1(acc, mValue, start, source, mZero, (H, W), n, m, level, chunk)
+                    if cutlass.const_expr(not self.ring_levels and self.cfg.l1_first):
+                        self.gather_staged(acc, staged_full, segment, sStaged, sLevels, source, chunk)
                     if cutlass.const_expr(self.prefetch):
                         cute.arch.sync_warp()
                         self.consumer_release(storage, g, index)
@@ -1139,9 +1160,17 @@ class _LaunchPlan:
     max_grid: int
     cluster_size: int
     map_slots: int
+    slack: int  # half a tile a group of a cluster: see whole_segments_fit
+    whole_segments: bool
 
 
 _plans: dict = {}
+
+
+def whole_segments_fit(num_tiles: int, blocks: int, clusters: int, slack: int) -> bool:
+    """The kernel's test (MSDAForward.range_boundary) for giving each cluster whole segments."""
+    segments = num_tiles // blocks
+    return -(-segments // clusters) * blocks * clusters <= num_tiles + slack * clusters
 
 
 def _plan_for(value, sampling_locations, attention_weights, tuning) -> _LaunchPlan:
@@ -1152,7 +1181,8 @@ def _plan_for(value, sampling_locations, attention_weights, tuning) -> _LaunchPl
     if plan is None:
         cfg = config_for(value, sampling_locations, attention_weights, **tuning)
         plan = _LaunchPlan(_kernel_for(cfg), cfg.queries_per_tile, _num_sms(value.device) * cfg.ctas_per_sm,
-                           cfg.cluster_size, cfg.map_slots)
+                           cfg.cluster_size, cfg.map_slots, cfg.num_groups * cfg.cluster_size // 2,
+                           cfg.whole_segments)
         _plans[key] = plan
     return plan
 
@@ -1171,9 +1201,15 @@ def _launch(value, spatial_shapes, level_start_index, sampling_locations, attent
     out = torch.empty((N, Lq, M, D), dtype=value.dtype, device=device)
     if out.numel() == 0:
         return out.view(N, Lq, M * D)
-    num_tiles = N * M * -(-Lq // plan.queries_per_tile)
+    blocks = -(-Lq // plan.queries_per_tile)
+    num_tiles = N * M * blocks
     grid = min(num_tiles, plan.max_grid)
     grid = -(-grid // plan.cluster_size) * plan.cluster_size
+    if (plan.whole_segments and "l1_first" not in tuning
+            and whole_segments_fit(num_tiles, blocks, grid // plan.cluster_size, plan.slack)):
+        # Each cluster starts one segment at once: its first tiles gather the L1 levels while the
+        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
+        plan = _plan_for(value, sampling_locations, attention_weights, {**tuning, "l1_first": True})
     maps = torch.empty((grid, plan.map_slots, 16), dtype=torch.int64, device=device)
     plan.fn(
         _aligned(value),
