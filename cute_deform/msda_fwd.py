@@ -5,8 +5,10 @@ one (image, head), a segment, a producer warp loads the coarse levels that fit i
 with TMA (multicast to both CTAs of a cluster pair when cluster_size=2). The other levels are gathered
 per sample, either with one TMA box of 2x2 pixels x D channels through a ring of mbarrier-guarded
 stages (the tensor map's out-of-bounds zero fill is the original kernel's zero padding), or with
-16-byte loads through L1. Consumer warps weight the four corners of every sample and accumulate every
-level and point of a query in fp32 registers; each output row is written once.
+16-byte loads through L1. With L1 gathers, each group's producer warp prefetches a tile's locations and
+attention weights with two TMA boxes into a ring of shared-memory stages. Consumer warps weight the
+four corners of every sample and accumulate every level and point of a query in fp32 registers; each
+output row is written once.
 
 Level sizes may live on the GPU, so the host never reads them: each CTA patches template tensor maps
 on the device (tensormap.replace) into its own slot of a small global workspace.
