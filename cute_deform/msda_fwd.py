@@ -132,8 +132,12 @@ class KernelConfig:
     @property
     def _group_ring_bytes(self) -> int:
         """A group's shared memory for its prefetched inputs and, with footprint records, its records."""
-        records = 2 * self.queries_per_tile * self.num_points * RECORD_BYTES if self.footprint_records else 0
-        return self.num_stages * self.input_stage_bytes + records
+        return self.num_stages * self.input_stage_bytes + (self.record_bytes if self.footprint_records else 0)
+
+    @property
+    def record_bytes(self) -> int:
+        """A group's two buffers of footprint records, one sample of the tile's level each."""
+        return 2 * self.queries_per_tile * self.num_points * RECORD_BYTES
 
     @property
     def records(self) -> bool:
@@ -149,14 +153,17 @@ class KernelConfig:
     def level_points(self) -> int:
         return self.num_levels * self.num_points
 
+    def _stage_elems(self, per_query: int, dtype: str) -> int:
+        """Elements of one stage of an input ring: G rows of per_query, padded to 128 bytes."""
+        return _round_up(self.queries_per_tile * per_query * _ITEMSIZE[dtype], 128) // _ITEMSIZE[dtype]
+
     @property
     def loc_stage_elems(self) -> int:
-        """Elements of one stage of the location ring: G rows of L*P*2, padded to 128 bytes."""
-        return _round_up(self.queries_per_tile * self.level_points * 2 * _ITEMSIZE[self.loc_dtype], 128) // _ITEMSIZE[self.loc_dtype]
+        return self._stage_elems(2 * self.level_points, self.loc_dtype)
 
     @property
     def attn_stage_elems(self) -> int:
-        return _round_up(self.queries_per_tile * self.level_points * _ITEMSIZE[self.attn_dtype], 128) // _ITEMSIZE[self.attn_dtype]
+        return self._stage_elems(self.level_points, self.attn_dtype)
 
     @property
     def input_bytes(self) -> int:
@@ -209,11 +216,6 @@ class KernelConfig:
         return max(1, min(SMEM_PER_SM // self.smem_bytes, 2048 // self.threads, by_registers))
 
     @property
-    def ring_slots(self) -> int:
-        """Stages of all groups' rings; L1 gathers use no ring (one placeholder slot)."""
-        return self.num_groups * self.num_stages if self.fine_gather == "tma" else 1
-
-    @property
     def map_slots(self) -> int:
         """Tensor maps a CTA patches: each level's staging map (group 0 stages), and with per-sample
         boxes each group's own box map of every level."""
@@ -221,10 +223,13 @@ class KernelConfig:
 
     @property
     def _smem_without_staging(self) -> int:
-        ring = self.ring_slots * self.queries_per_tile * self.box_bytes if self.fine_gather == "tma" else 128
+        # L1 gathers use no box ring: a placeholder of 128 bytes.
+        ring = 128
+        if self.fine_gather == "tma":
+            ring = self.num_groups * self.num_stages * self.queries_per_tile * self.box_bytes
         inputs = self.input_slots * self.input_stage_bytes
         if self.records:
-            inputs += self.num_groups * 2 * self.queries_per_tile * self.num_points * RECORD_BYTES
+            inputs += self.num_groups * self.record_bytes
         maps = self.map_slots * TENSORMAP_BYTES
         return ring + inputs + maps + 16 * self.num_stages * self.num_groups + 1024
 
@@ -798,16 +803,12 @@ class MSDAForward:
     def gather_points(self, acc, point_input, H, W, top_left, corner):
         """acc += every point of one level: point_input(point) gives (x, y, attention weight),
         top_left(pixel index) the footprint's first corner, corner(top_left, dy, dx, inside_level) loads
-        one corner's channels. The corners are offsets from the first, and a coordinate is inside
-        [0, n) when it is below n as an unsigned number: 4 compares a sample, not 16."""
-        Wu = cutlass.Uint32(W)
-        Hu = cutlass.Uint32(H)
+        one corner's channels. The corners are offsets from the first."""
         for point in cutlass.range_constexpr(self.P):
             x, y, a = point_input(point)
             (h, w, inside), x0, y0 = self.footprint(x, y, H, W)
             weights = self.corner_weights(h, w, inside, a)
-            cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
-            rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+            rows, cols = self.inside_corners(x0, y0, H, W)
             first = top_left(y0 * W + x0)
             vals = []
             for dy in cutlass.range_constexpr(2):
@@ -819,21 +820,14 @@ class MSDAForward:
     def write_records(self, sRecW, sRecI, buf, g, sLoc, sAttn, level: int, H, W, tidx):
         """Phase one of a level with footprint records: the group's 128 consumer threads compute every
         sample of the tile once (corner weights times the attention weight, first corner, inside mask)."""
-        P, LP, GP = self.P, self.LP, self.G * self.P
-        Wu = cutlass.Uint32(W)
-        Hu = cutlass.Uint32(H)
+        P, GP = self.P, self.G * self.P
         for k in cutlass.range_constexpr((GP + self.consumer_threads - 1) // self.consumer_threads):
             s = tidx + self.consumer_threads * k
             if s < GP:
-                query = s // P
-                point = s % P
-                i = query * (2 * LP) + (level * P + point) * 2
-                xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
-                a = cute.make_tensor(sAttn.iterator + query * LP + level * P + point, cute.make_layout(1)).load()
-                (h, w, inside), x0, y0 = self.footprint(xy[0], xy[1], H, W)
-                weights = self.corner_weights(h, w, inside, a.to(cutlass.Float32)[0])
-                cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
-                rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+                x, y, a = self.point_inputs(("smem", sLoc, sAttn, s // P), level)(s % P)
+                (h, w, inside), x0, y0 = self.footprint(x, y, H, W)
+                weights = self.corner_weights(h, w, inside, a)
+                rows, cols = self.inside_corners(x0, y0, H, W)
                 mask = cutlass.Int32(0)
                 for dy in cutlass.range_constexpr(2):
                     for dx in cutlass.range_constexpr(2):
@@ -857,6 +851,15 @@ class MSDAForward:
                 for dx in cutlass.range_constexpr(2):
                     vals.append(corner(first, dy, dx, (mask & (1 << (2 * dy + dx))) != 0))
             self.accumulate(acc, (weights[0], weights[1], weights[2], weights[3]), vals[0], vals[1], vals[2], vals[3])
+
+    def inside_corners(self, x0, y0, H, W):
+        """Whether the footprint's rows (y0, y0 + 1) and columns (x0, x0 + 1) lie in the level. A
+        coordinate is in [0, n) when it is below n as an unsigned number: 4 compares a sample, not 16."""
+        Wu = cutlass.Uint32(W)
+        Hu = cutlass.Uint32(H)
+        cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
+        rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+        return rows, cols
 
     def level_row(self, sLevels, level: int):
         """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
