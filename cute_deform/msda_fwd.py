@@ -1025,13 +1025,23 @@ def _compile_into_cache(cfg: KernelConfig) -> str:
     return repr(cfg)
 
 
+def launch_variants(cfg: KernelConfig) -> list:
+    """The configurations a launch with cfg may run: with whole_segments, the launch switches to the
+    L1-first gather order on shapes where whole segments fit (_launch)."""
+    if cfg.whole_segments and not cfg.l1_first:
+        return [cfg, dataclasses.replace(cfg, l1_first=True)]
+    return [cfg]
+
+
 def precompile(configs, jobs: int | None = None) -> None:
-    """Compile configurations into the disk cache in parallel processes (each compile is single
-    threaded). Later processes, and this one, then load them in milliseconds."""
+    """Compile configurations, and the variants their launches may pick, into the disk cache in
+    parallel processes (each compile is single threaded). Later processes, and this one, then load
+    them in milliseconds."""
     import concurrent.futures
     import multiprocessing
 
-    todo = [cfg for cfg in dict.fromkeys(configs) if cfg not in _compiled]
+    variants = [v for cfg in configs for v in launch_variants(cfg)]
+    todo = [cfg for cfg in dict.fromkeys(variants) if cfg not in _compiled]
     if cache_dir() is None or len(todo) <= 1:
         for cfg in todo:
             _kernel_for(cfg)

@@ -1,5 +1,6 @@
 """Every CuTe kernel variant compiles for sm_90a on a machine without a GPU, and its PTX holds the
 instructions the design depends on. Also the disk cache of compiled kernels."""
+import dataclasses
 import re
 
 import pytest
@@ -84,7 +85,7 @@ def test_cache_key_depends_only_on_static_parameters():
     a = KernelConfig("float16", "float32", "float32", 8, 4, 4, 32)
     assert msda_fwd.cache_key(a) == msda_fwd.cache_key(KernelConfig("float16", "float32", "float32", 8, 4, 4, 32))
     assert msda_fwd.cache_key(a) != msda_fwd.cache_key(KernelConfig("float16", "float32", "float32", 8, 4, 8, 32))
-    fields = {f.name for f in __import__("dataclasses").fields(KernelConfig)}
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
     assert not fields & {"batch", "num_queries", "num_keys", "height", "width"}
 
 
@@ -120,3 +121,12 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
     monkeypatch.delenv("CUTE_DEFORM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert msda_fwd.cache_dir() == tmp_path / "cute_deform"
+
+
+def test_precompile_covers_the_gather_order_the_launch_may_pick():
+    cfg = KernelConfig("float16", "float32", "float32", 8, 4, 4, 32, **msda_fwd.TUNING)
+    variants = msda_fwd.launch_variants(cfg)
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True)]
+    assert msda_fwd.launch_variants(variants[1]) == [variants[1]]
+    even_split = dataclasses.replace(cfg, whole_segments=False)
+    assert msda_fwd.launch_variants(even_split) == [even_split]
