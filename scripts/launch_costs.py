@@ -67,18 +67,23 @@ def first_call_from_disk(cache):
     return import_s, first_s
 
 
-def host_time_per_call(calls=2000):
+def host_calls(Lq=64):
+    """The op and the launch function on a decoder-shaped problem with Lq queries (64: a tiny launch,
+    where the host side dominates), as named callables."""
     levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
     shapes = torch.tensor(levels, device="cuda")
     starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
     S = int((shapes[:, 0] * shapes[:, 1]).sum())
     value = torch.randn(1, S, 8, 32, device="cuda", dtype=torch.float16)
-    loc = torch.rand(1, 64, 8, 4, 4, 2, device="cuda")  # a tiny launch: the host side dominates
-    attn = torch.rand(1, 64, 8, 4, 4, device="cuda")
+    loc = torch.rand(1, Lq, 8, 4, 4, 2, device="cuda")
+    attn = torch.rand(1, Lq, 8, 4, 4, device="cuda")
+    return (("msda_fwd.msda_forward", lambda: msda_fwd.msda_forward(value, shapes, starts, loc, attn)),
+            ("torch.ops.cute_deform.forward", lambda: torch.ops.cute_deform.forward(value, shapes, starts, loc, attn)))
+
+
+def host_time_per_call(calls=2000):
     results = {}
-    for name, fn in (("msda_fwd.msda_forward", lambda: msda_fwd.msda_forward(value, shapes, starts, loc, attn)),
-                     ("torch.ops.cute_deform.forward", lambda: torch.ops.cute_deform.forward(value, shapes, starts,
-                                                                                             loc, attn))):
+    for name, fn in host_calls():
         for _ in range(50):
             fn()
         torch.cuda.synchronize()

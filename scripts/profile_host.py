@@ -1,4 +1,5 @@
-"""Diagnostic: where the host time of one op call goes (cProfile over many calls of a tiny launch).
+"""Diagnostic: where the host time of one call goes (cProfile over many calls of a tiny launch), for
+the op and for the launch function.
     python3 scripts/profile_host.py
 """
 import cProfile
@@ -6,18 +7,10 @@ import pstats
 
 import torch
 
-import cute_deform  # noqa: F401
-from cute_deform import msda_fwd
+import cute_deform  # noqa: F401  (registers the op)
+from launch_costs import host_calls
 
-levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
-shapes = torch.tensor(levels, device="cuda")
-starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
-S = int((shapes[:, 0] * shapes[:, 1]).sum())
-value = torch.randn(1, S, 8, 32, device="cuda", dtype=torch.float16)
-loc = torch.rand(1, 64, 8, 4, 4, 2, device="cuda")
-attn = torch.rand(1, 64, 8, 4, 4, device="cuda")
-op = torch.ops.cute_deform.forward
-for fn in (lambda: op(value, shapes, starts, loc, attn), lambda: msda_fwd.msda_forward(value, shapes, starts, loc, attn)):
+for name, fn in host_calls():
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
@@ -27,4 +20,5 @@ for fn in (lambda: op(value, shapes, starts, loc, attn), lambda: msda_fwd.msda_f
         fn()
     prof.disable()
     torch.cuda.synchronize()
+    print(f"== {name}")
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
