@@ -340,23 +340,20 @@ class MSDAForward:
         Lq = mLoc.shape[1]
         # The tile's inputs as boxes of G query rows of one (image, head): (L*P*2, M, Lq, N), box
         # (L*P*2, 1, G, 1); rows past Lq are zero filled.
+        def input_map(tensor, dtype, row: int):
+            units = row * (dtype.width // 8) // 16  # a (query, head) row in 16-byte units
+            return tensor_map.create_tensor_map_tiled(
+                global_address=tensor.iterator.toint(),
+                dtype=dtype,
+                global_dims=[row, M, Lq, N],
+                global_strides=[units, M * units, cutlass.Int64(Lq) * (M * units)],
+                box_dims=[row, 1, self.G, 1],
+            )
+
         loc_map, attn_map = box_template, box_template
         if cutlass.const_expr(self.prefetch):
-            el, ea, LP = _ITEMSIZE[self.cfg.loc_dtype], _ITEMSIZE[self.cfg.attn_dtype], self.LP
-            loc_map = tensor_map.create_tensor_map_tiled(
-                global_address=mLoc.iterator.toint(),
-                dtype=self.loc_dtype,
-                global_dims=[2 * LP, M, Lq, N],
-                global_strides=[2 * LP * el // 16, M * 2 * LP * el // 16, cutlass.Int64(Lq) * (M * 2 * LP * el // 16)],
-                box_dims=[2 * LP, 1, self.G, 1],
-            )
-            attn_map = tensor_map.create_tensor_map_tiled(
-                global_address=mAttn.iterator.toint(),
-                dtype=self.attn_dtype,
-                global_dims=[LP, M, Lq, N],
-                global_strides=[LP * ea // 16, M * LP * ea // 16, cutlass.Int64(Lq) * (M * LP * ea // 16)],
-                box_dims=[LP, 1, self.G, 1],
-            )
+            loc_map = input_map(mLoc, self.loc_dtype, 2 * self.LP)
+            attn_map = input_map(mAttn, self.attn_dtype, self.LP)
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(box_template, stage_template, loc_map, attn_map, mValue, mShapes, mStarts, mLoc, mAttn, mOut,
                     mDesc, mZero, num_tiles).launch(
@@ -419,7 +416,7 @@ class MSDAForward:
             used = used + cutlass.select_(fits, px, 0)
         # The consumers read the table from shared memory where they need it, rather than holding ~20
         # registers of it through the whole tile loop.
-        sLevels = storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
+        sLevels = self.level_table_in(storage)
         if tidx == 0:
             for level in cutlass.range_constexpr(self.L):
                 H, W = sizes[level]
@@ -667,6 +664,11 @@ class MSDAForward:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(self.full_barrier(storage, g, index), tx_bytes)
 
+    def level_table_in(self, storage):
+        """The level table in shared memory: a row (H, W, first pixel, staging offset or -1) per level,
+        then a row whose first entry is 1 when every level fits in value."""
+        return storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
+
     def input_rings(self, storage):
         return (storage.loc_ring.get_tensor(cute.make_layout(self.loc_ring_shape)),
                 storage.attn_ring.get_tensor(cute.make_layout(self.attn_ring_shape)))
@@ -894,7 +896,7 @@ class MSDAForward:
         t_begin, t_end, blocks, rank = work
         Lq = mLoc.shape[1]
         D, C = self.D, self.C
-        sLevels = storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
+        sLevels = self.level_table_in(storage)
         slot = tidx // self.T
         chunk = tidx % self.T
         sRing = storage.ring.get_tensor(cute.make_layout(self.ring_shape))
