@@ -4,7 +4,7 @@
             Tensor sampling_locations, Tensor attention_weights, int im2col_step=64) -> Tensor
 
 - CPU: the exact reference (`cute_deform.reference`), fp32 arithmetic.
-- CUDA on sm_90 with the CuTe kernel available: `cute_deform.msda_fwd.msda_forward`.
+- CUDA on sm_90 with the CuTe kernels available: `cute_deform.hopper.interface.msda_forward`.
 - Any other CUDA device (or sm_90 without the kernel): a slower pure-PyTorch path
   (`ms_deform_attn_grid_sample`, fp32 arithmetic, same semantics), with a one-time SlowPathWarning.
 
@@ -85,7 +85,7 @@ def _level_tables_on(device, spatial_shapes, level_start_index, shapes=None, sta
     return spatial_shapes.to(device, non_blocking=True), level_start_index.to(device, non_blocking=True)
 
 
-_msda_fwd = None  # cute_deform.msda_fwd once imported (a function-level import costs ~0.2 us a call)
+_hopper = None  # cute_deform.hopper.interface once imported (a function-level import costs ~0.2 us a call)
 
 
 def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
@@ -106,15 +106,14 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
     device_index = value.get_device()
     reason = kernel_unavailable_reason(device_index if device_index >= 0 else torch.cuda.current_device())
     if reason is None:
-        global _msda_fwd
-        msda_fwd = _msda_fwd
-        if msda_fwd is None:
-            from . import msda_fwd
+        global _hopper
+        hopper = _hopper
+        if hopper is None:
+            from .hopper import interface as hopper
 
-            _msda_fwd = msda_fwd
-        msda_fwd.check_supported(value, L, P)
+            _hopper = hopper
         # msda_forward makes every input contiguous (and 16-byte aligned) itself.
-        return msda_fwd.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return hopper.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     _warn_slow_path(reason)
     return ms_deform_attn_grid_sample(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
@@ -197,11 +196,11 @@ def kernel_unavailable_reason(device_index: int) -> str | None:
     if (major, minor) != (9, 0):
         return f"the CuTe kernel targets sm_90 (Hopper) and cuda:{device_index} is sm_{major}{minor}"
     try:
-        from . import msda_fwd
+        from .hopper import interface
     except Exception as exc:  # a broken DSL install must not take the op down with it
-        return f"cute_deform.msda_fwd failed to import ({type(exc).__name__}: {exc})"
-    if not msda_fwd.available():
-        return "cute_deform.msda_fwd.available() is False on this install"
+        return f"cute_deform.hopper failed to import ({type(exc).__name__}: {exc})"
+    if not interface.available():
+        return "cute_deform.hopper.interface.available() is False on this install"
     return None
 
 

@@ -31,14 +31,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
+import peers  # noqa: E402
 
+DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
+SEED_LEVELS = [(92, 160), (46, 80), (23, 40), (12, 20)]
+# locations: local = around the query's own pixel (an encoder), init = Deformable DETR's initial offsets
+# around the query's pixel, ref = a few pixels around a random reference point per query (a decoder's
+# object queries), uniform = anywhere. order: queries as generated (raster order of their pixels) or
+# shuffled within each image, as callers with per-query reference points hand them over.
 PRESETS = {
     "dcnv4-test": dict(N=1, Lq=15200, levels=[(100, 152), (50, 76), (25, 38), (13, 19)], P=8, locations="local"),
-    "detr-encoder": dict(N=2, Lq=None, levels=[(100, 167), (50, 84), (25, 42), (13, 21)], P=4, locations="local"),
-    "detr-decoder": dict(N=8, Lq=900, levels=[(100, 167), (50, 84), (25, 42), (13, 21)], P=4, locations="uniform"),
-    "seed-b48": dict(N=48, Lq=15422, levels=[(92, 160), (46, 80), (23, 40), (12, 20)], P=8, locations="local"),
+    "detr-encoder": dict(N=2, Lq=None, levels=DETR_LEVELS, P=4, locations="local"),
+    "detr-encoder-init": dict(N=2, Lq=None, levels=DETR_LEVELS, P=4, locations="init"),
+    "detr-decoder": dict(N=8, Lq=900, levels=DETR_LEVELS, P=4, locations="uniform"),
+    "detr-decoder-ref": dict(N=8, Lq=900, levels=DETR_LEVELS, P=4, locations="ref"),
+    "decoder-b16": dict(N=16, Lq=300, levels=DETR_LEVELS, P=4, locations="uniform"),
+    "seed-b48": dict(N=48, Lq=15422, levels=SEED_LEVELS, P=8, locations="local"),
+    "seed-b48-shuffled": dict(N=48, Lq=15422, levels=SEED_LEVELS, P=8, locations="local", order="shuffled"),
 }
-ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "cute")
+ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute")
+# cute's bounds: fp32 arithmetic, and packed half arithmetic for the corner sums of fp16 / bf16 value.
+CUTE_BOUND = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 NCU_METRICS = [
     "gpu__time_duration.sum",
@@ -62,6 +75,7 @@ class Shape:
     M: int
     D: int
     locations: str
+    order: str = "sorted"
 
     @property
     def S(self) -> int:
@@ -86,7 +100,7 @@ class Shape:
     def describe(self) -> str:
         lv = ",".join(f"{h}x{w}" for h, w in self.levels)
         return (f"{self.name}: N={self.N} Lq={self.Lq} S={self.S} levels={lv} M={self.M} D={self.D} P={self.P} "
-                f"locations={self.locations}")
+                f"locations={self.locations} order={self.order}")
 
 
 @dataclass
@@ -116,9 +130,14 @@ def parse_args(argv=None):
     p.add_argument("--P", type=int, default=4, help="custom: points per level")
     p.add_argument("--M", type=int, default=8, help="heads (all presets use 8)")
     p.add_argument("--D", type=int, default=32, help="channels per head (all presets use 32)")
-    p.add_argument("--locations", choices=("local", "uniform"), default=None,
+    p.add_argument("--locations", choices=("local", "init", "ref", "uniform"), default=None,
                    help="sampling locations: local = a few pixels around each query's own pixel (encoder-like), "
-                        "uniform = uniform in [0,1]; default: uniform for detr-decoder, local otherwise")
+                        "init = Deformable DETR's initial offsets around it, ref = a few pixels around a random "
+                        "reference point per query (decoder-like), uniform = uniform in [0,1]; default: the preset's")
+    p.add_argument("--order", choices=("sorted", "shuffled"), default=None,
+                   help="query order within each image (default: the preset's)")
+    p.add_argument("--dcnv4-src", default=None, help="extracted DCNv4==1.0.0.post2 sdist for the dcnv4 peer "
+                   "(default: $DCNV4_SRC or .peers/DCNv4-1.0.0.post2)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp16", help="value dtype (locations are fp32)")
     p.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma list of " + ",".join(ALL_IMPLS))
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
@@ -150,40 +169,61 @@ def selected_shapes(args) -> list[Shape]:
         levels = list(cfg["levels"])
         S = sum(h * w for h, w in levels)
         shapes.append(Shape(name, cfg["N"], cfg["Lq"] or S, levels, cfg["P"], args.M, args.D,
-                            args.locations or cfg["locations"]))
+                            args.locations or cfg["locations"], args.order or cfg.get("order", "sorted")))
     if args.levels:
         levels = [tuple(int(v) for v in lv.lower().split("x")) for lv in args.levels.split(",")]
         S = sum(h * w for h, w in levels)
         shapes.append(Shape("custom", args.N, args.Lq or S, levels, args.P, args.M, args.D,
-                            args.locations or "local"))
+                            args.locations or "local", args.order or "sorted"))
     return shapes
 
 
 def make_inputs(shape: Shape, dtype: torch.dtype, generator: torch.Generator, device="cuda"):
-    """Fresh random inputs: value ~ N(0,1); attention weights softmax-normalised over (level, point); locations
-    'local' (around the query's own pixel of the multi-level map, sigma 2 pixels of each level, so some fall
-    outside [0,1]) or 'uniform' in [0,1]."""
+    """Fresh random inputs as callers produce them: value ~ N(0,1); attention weights the softmax over (level,
+    point) of N(0,1) logits (returned too, for peers that take logits); locations by shape.locations (see
+    PRESETS; local and ref offsets have sigma 2 pixels of each level, so some fall outside [0,1]), queries in
+    shape.order."""
     N, Lq, M, D, L, P = shape.N, shape.Lq, shape.M, shape.D, shape.L, shape.P
     spatial_shapes = torch.tensor(shape.levels, dtype=torch.int64, device=device)
     areas = spatial_shapes[:, 0] * spatial_shapes[:, 1]
     level_start_index = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
     value = torch.randn(N, shape.S, M, D, device=device, generator=generator).to(dtype)
+    sizes = spatial_shapes.flip(-1).float().view(1, 1, 1, L, 1, 2)  # (W, H), matching (x, y)
     if shape.locations == "uniform":
         loc = torch.rand(N, Lq, M, L, P, 2, device=device, generator=generator)
     else:
-        pixel = torch.arange(Lq, device=device) % shape.S  # each query owns one pixel of the multi-level map
-        level_of = torch.searchsorted(level_start_index, pixel, right=True) - 1
-        within = pixel - level_start_index[level_of]
-        Hq, Wq = spatial_shapes[level_of, 0], spatial_shapes[level_of, 1]
-        ref_x = ((within % Wq).float() + 0.5) / Wq
-        ref_y = ((within // Wq).float() + 0.5) / Hq
-        sizes = spatial_shapes.flip(-1).float()  # (L, 2) as (W, H), matching (x, y)
-        offsets = torch.randn(N, Lq, M, L, P, 2, device=device, generator=generator) * 2.0
-        loc = torch.stack([ref_x, ref_y], -1).view(1, Lq, 1, 1, 1, 2) + offsets / sizes.view(1, 1, 1, L, 1, 2)
+        if shape.locations == "ref":
+            ref = torch.rand(N, Lq, 1, 1, 1, 2, device=device, generator=generator)
+        else:  # each query owns one pixel of the multi-level map
+            pixel = torch.arange(Lq, device=device) % shape.S
+            level_of = torch.searchsorted(level_start_index, pixel, right=True) - 1
+            within = pixel - level_start_index[level_of]
+            Hq, Wq = spatial_shapes[level_of, 0], spatial_shapes[level_of, 1]
+            ref = torch.stack([((within % Wq).float() + 0.5) / Wq, ((within // Wq).float() + 0.5) / Hq], -1)
+            ref = ref.view(1, Lq, 1, 1, 1, 2)
+        if shape.locations == "init":
+            # Deformable DETR's initial sampling_offsets bias: point p of head m sits p+1 pixels out along
+            # the direction at angle 2*pi*m/M (scaled so its larger component is 1), on every level.
+            angle = torch.arange(M, device=device, dtype=torch.float32) * (2 * math.pi / M)
+            direction = torch.stack([angle.cos(), angle.sin()], -1)
+            direction = direction / direction.abs().max(-1, keepdim=True).values
+            steps = torch.arange(1, P + 1, device=device, dtype=torch.float32)
+            offsets = (direction.view(M, 1, 1, 2) * steps.view(1, 1, P, 1)).expand(M, L, P, 2).unsqueeze(0).unsqueeze(0)
+        else:
+            offsets = torch.randn(N, Lq, M, L, P, 2, device=device, generator=generator) * 2.0
+        loc = (ref + offsets / sizes).expand(N, Lq, M, L, P, 2)
         del offsets
     logits = torch.randn(N, Lq, M, L * P, device=device, generator=generator)
     attn = torch.softmax(logits, -1).view(N, Lq, M, L, P).contiguous()
-    return value, spatial_shapes, level_start_index, loc.contiguous(), attn
+    logits = logits.view(N, Lq, M, L, P)
+    loc = loc.contiguous()
+    if shape.order == "shuffled":
+        order = torch.argsort(torch.rand(N, Lq, device=device, generator=generator), dim=1)
+        pick = order.view(N, Lq, 1, 1, 1)
+        loc = torch.gather(loc, 1, pick.view(N, Lq, 1, 1, 1, 1).expand_as(loc))
+        attn = torch.gather(attn, 1, pick.expand_as(attn))
+        logits = torch.gather(logits, 1, pick.expand_as(logits))
+    return (value, spatial_shapes, level_start_index, loc.contiguous(), attn.contiguous()), logits.contiguous()
 
 
 def copy_bandwidth() -> float:
@@ -223,6 +263,7 @@ class Impl:
     def __init__(self, name, run, out, value_dtype, poisonable=True, note=""):
         self.name, self._run, self.out, self.value_dtype = name, run, out, value_dtype
         self.poisonable, self.note = poisonable, note
+        self.reference_inputs = None  # (locations, weights) the implementation really computes with, if not ours
 
     def __call__(self):
         return self._run()
@@ -239,7 +280,7 @@ def unsupported(name: str, shape: Shape) -> str:
     return ""
 
 
-def bind_impls(names, ext, ext_error, inputs, shape: Shape, args):
+def bind_impls(names, ext, ext_error, inputs, shape: Shape, args, logits=None, dcnv4=(None, "")):
     """Impl objects, or (name, reason) for those that cannot run here."""
     value, spatial_shapes, level_start_index, loc, attn = inputs
     out_shape = (shape.N, shape.Lq, shape.M * shape.D)
@@ -261,6 +302,16 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args):
             launch = baselines.launcher(ext, kernel, v, spatial_shapes, level_start_index, loc, attn,
                                         cluster_size=args.cluster_size)
             bound.append(Impl(name, (lambda launch=launch, out=out: launch(out)), out, v.dtype))
+        elif name == "dcnv4":
+            dcnv4_ext, why = dcnv4
+            if dcnv4_ext is None:
+                skipped.append((name, f"skipped: {why}"))
+                continue
+            run, _ = peers.dcnv4_launcher(dcnv4_ext, value, spatial_shapes, level_start_index, loc, logits)
+            impl = Impl(name, run, None, value.dtype, poisonable=False,
+                        note="fp16 locations and its own softmax: checked against a reference on those inputs")
+            impl.reference_inputs = peers.dcnv4_inputs_as_seen(loc, logits, value.dtype)
+            bound.append(impl)
         elif name == "cute":
             op, why = cute_forward()
             if op is None:
@@ -354,7 +405,7 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
     dtype = DTYPES[args.dtype]
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    inputs = make_inputs(shape, dtype, generator)
+    inputs, logits = make_inputs(shape, dtype, generator)
     value, spatial_shapes, level_start_index, loc, attn = inputs
     per_image = shape.samples // shape.N
     n_check = max(1, min(shape.N, int(args.check_samples // per_image)))
@@ -370,7 +421,7 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
     torch.cuda.synchronize()
     print(f"[{shape.name}] seed {seed}; {ref_note}", flush=True)
 
-    bound, skipped = bind_impls(names, ext, ext_error, inputs, shape, args)
+    bound, skipped = bind_impls(names, ext, ext_error, inputs, shape, args, logits, args.dcnv4)
     rows = []
     for name, why in skipped:
         rows.append(Row(shape.name, name, args.dtype, status="FAILED" if why.startswith("FAILED") else "skipped",
@@ -379,10 +430,16 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
     for impl in bound:
         value_bytes = torch.empty(0, dtype=impl.value_dtype).element_size()
         row = Row(shape.name, impl.name, str(impl.value_dtype).replace("torch.", ""), note=impl.note)
-        row.bound = baselines.ERROR_BOUND[impl.value_dtype]
+        row.bound = (CUTE_BOUND if impl.name == "cute" else baselines.ERROR_BOUND)[impl.value_dtype]
         progress.set_postfix_str(f"{shape.name} {impl.name}")
         try:
-            row.rel_err, why = check_impl(impl, ref, n_check, args.watchdog)
+            impl_ref = ref
+            if impl.reference_inputs is not None:
+                seen_loc, seen_attn = impl.reference_inputs
+                impl_ref, _ = baselines.reference_forward(value[:n_check], spatial_shapes, level_start_index,
+                                                          seen_loc[:n_check], seen_attn[:n_check])
+            row.rel_err, why = check_impl(impl, impl_ref, n_check, args.watchdog)
+            del impl_ref
             if why or not (row.rel_err <= row.bound):
                 row.status = "MISMATCH"
                 row.note = why or f"rel err {row.rel_err:.3e} > bound {row.bound:g}"
@@ -512,8 +569,8 @@ def ncu_child(args, shapes, ext):
     names = [n.strip() for n in args.ncu_child.split(",") if n.strip()]
     for shape in shapes:
         generator = torch.Generator(device="cuda").manual_seed(args.seed or 0)
-        inputs = make_inputs(shape, dtype, generator)
-        bound, skipped = bind_impls(names, ext, None, inputs, shape, args)
+        inputs, logits = make_inputs(shape, dtype, generator)
+        bound, skipped = bind_impls(names, ext, None, inputs, shape, args, logits, args.dcnv4)
         for name, why in skipped:
             print(f"[{shape.name}] {name}: {why}")
         for impl in bound:
@@ -550,6 +607,19 @@ def main(argv=None):
         except Exception as exc:
             ext_error = f"{type(exc).__name__}: {str(exc)[-400:]}"
             print(f"baselines build failed: {ext_error}", file=sys.stderr)
+    args.dcnv4 = (None, "not selected")
+    if "dcnv4" in names:
+        src = peers.dcnv4_source(args.dcnv4_src)
+        if src is None:
+            args.dcnv4 = (None, "no DCNv4 source (--dcnv4-src, $DCNV4_SRC or .peers/DCNv4-1.0.0.post2)")
+        else:
+            try:
+                t0 = time.time()
+                args.dcnv4 = (peers.build_dcnv4(src), "")
+                print(f"dcnv4: built from {src} in {time.time() - t0:.1f} s", flush=True)
+            except Exception as exc:
+                args.dcnv4 = (None, f"FAILED: DCNv4 did not build: {type(exc).__name__}: {str(exc)[-300:]}")
+                print(args.dcnv4[1], file=sys.stderr)
     if args.ncu_child:
         return ncu_child(args, shapes, ext)
 

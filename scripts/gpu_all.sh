@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# One GPU call for the Hopper kernel: tuning sweep, the GPU test suite (kernel grid, op, hardening),
-# the comparison with the baselines, and compute-sanitizer on the hostile inputs. Each step gets a share
-# of a BUDGET-second total so the call ends inside its limit. Logs under $OUT; a summary last.
+# One GPU call: the peers' builds (in the background), the tuning sweep, the GPU test suite (kernel grid, op,
+# hardening), the comparison with the baselines and DCNv4, host costs, and compute-sanitizer. Each step gets a
+# share of a BUDGET-second total so the call ends inside its limit. Logs under $OUT; a summary last.
 # On the device machine:  source .device/activate.sh && bash scripts/gpu_all.sh
+# STEPS picks steps (default: all), e.g. STEPS="sweep compare"; SWEEP and PRESETS pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_all_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DEFORM_CACHE_DIR=${CUTE_DEFORM_CACHE_DIR:-$PWD/.kcache}
 BUDGET=${BUDGET:-540}
+STEPS=${STEPS:-"sweep tests hardening compare host sanitizers"}
 START=$(date +%s)
 SUMMARY=()
 step() {  # name max_seconds command...
     local name=$1 max=$2; shift 2
+    case " $STEPS " in *" $name "*) ;; *) return ;; esac
     local t=$((BUDGET - ($(date +%s) - START)))
     [ "$t" -gt "$max" ] && t=$max
     if [ "$t" -lt 15 ]; then SUMMARY+=("$name: skipped (budget)"); return; fi
@@ -22,19 +25,19 @@ step() {  # name max_seconds command...
     SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - s ))s (limit ${t}s)")
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader >"$OUT/device.txt"
-step sweep 90 python3 scripts/kernel_check.py --skip-correctness --sweep "${SWEEP:-}"
-step hardening-tests 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider \
-    tests/test_hardening_gpu.py
-step kernel-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py
+# The peers build while the CuTe kernels compile and run.
+(python3 scripts/baselines.py >"$OUT/build-baselines.log" 2>&1; python3 scripts/peers.py >"$OUT/build-dcnv4.log" 2>&1) &
+BUILDS=$!
+step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
+step tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py
+step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
-step compare 100 python3 scripts/compare.py --no-progress --csv "$OUT/compare.csv"
-step launch-costs 60 python3 scripts/launch_costs.py
-step racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no \
-    python3 scripts/kernel_smoke.py
-step memcheck 90 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
-    --report-api-errors no python3 tests/test_hardening_gpu.py
+wait $BUILDS
+step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
+step host 60 bash -c "python3 scripts/profile.py host && python3 scripts/profile.py first-call"
+step sanitizers 120 bash -c "compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no python3 scripts/profile.py smoke && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 tests/test_hardening_gpu.py"
 cat "$OUT/device.txt"
-for f in sweep hardening-tests kernel-tests compare launch-costs racecheck memcheck; do
+for f in sweep tests hardening compare host sanitizers; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }
 done
 printf '%s\n' "${SUMMARY[@]}"

@@ -2,12 +2,12 @@
 
     python3 scripts/op_overhead.py [--repeats 7] [--number 20000]
 
-Everything the op runs before it hands over to `msda_fwd.msda_forward` is Python on the host, and
+Everything the op runs before it hands over to `hopper.interface.msda_forward` is Python on the host, and
 none of it needs a GPU: this times each piece on tiny CPU inputs (N=1, Lq=64, M=8, L=4, P=4, D=32,
 the Deformable DETR levels) in microseconds per call, the median of --repeats runs of --number calls.
 
 - The CUDA flow is the op's CUDA kernel (`op._forward_cuda`) called directly with
-  `msda_fwd.msda_forward` replaced by a stub that returns a preallocated tensor and the device
+  `hopper.interface.msda_forward` replaced by a stub that returns a preallocated tensor and the device
   capability probe answered from its cache, so what is timed is the op layer alone. "cuda-like" rows
   put value, sampling_locations and attention_weights on the meta device (the tests' stand-in for a
   GPU): with the level table on the CPU, the op checks its values and uses its cached device copy.
@@ -23,7 +23,8 @@ import time
 import torch
 
 import cute_deform
-from cute_deform import _checks, msda_fwd, op
+from cute_deform import _checks, op
+from cute_deform.hopper import interface as hopper
 
 LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
 N, LQ, M, P, D = 1, 64, 8, 4, 32
@@ -87,8 +88,8 @@ def main():
     def stub_launch(value, *rest, **tuning):
         return out
     op.ms_deform_attn_reference = lambda *a, **k: out
-    msda_fwd.msda_forward = stub_launch
-    msda_fwd.available = lambda: True
+    hopper.msda_forward = stub_launch
+    hopper.available = lambda: True
     torch.cuda.get_device_capability = lambda index=None: (9, 0)
     torch.cuda.current_device = lambda: 0
     op.kernel_unavailable_reason.cache_clear()
@@ -120,7 +121,6 @@ def main():
     row("_level_tables_on, cuda-like, CPU table (cached copy)",
         lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
     row("kernel_unavailable_reason(0) (lru_cache hit)", lambda: op.kernel_unavailable_reason(0))
-    row("msda_fwd.check_supported", lambda: msda_fwd.check_supported(cpu[0], L, P))
     row("5x .contiguous() (contiguous inputs)", lambda: [t.contiguous() for t in cpu])
     row("op CPU kernel body (reference stubbed)", lambda: cpu_body(*cpu), "cpu_body")
     row("op CUDA kernel body, cuda-like, CPU level table", lambda: op._forward_cuda(*cuda_like))

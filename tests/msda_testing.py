@@ -112,6 +112,47 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def fused_inputs(gen, levels, *, batch=2, queries=5, heads=3, head_dim=4, points=2, ref_dims=2):
+    """Random inputs of the fused op, in float64: reference points (x, y) in [-0.1, 1.1] (boxes with
+    sizes in (0, 0.5]), offsets of a few pixels (box units for boxes), logits N(0, 2)."""
+    value, shapes, starts, _, _ = make_inputs(gen, levels, batch=batch, queries=1, heads=heads, head_dim=head_dim,
+                                              points=points)
+    L = len(levels)
+    ref = -0.1 + 1.2 * torch.rand((batch, queries, L, ref_dims), generator=gen, dtype=torch.float64)
+    if ref_dims == 4:
+        ref[..., 2:] = 0.5 * torch.rand((batch, queries, L, 2), generator=gen, dtype=torch.float64) + 1e-3
+    offsets = 3.0 * torch.randn((batch, queries, heads, L, points, 2), generator=gen, dtype=torch.float64)
+    logits = 2.0 * torch.randn((batch, queries, heads, L, points), generator=gen, dtype=torch.float64)
+    return value, shapes, starts, ref, offsets, logits
+
+
+def fused_sampling(spatial_shapes, reference_points, sampling_offsets, attention_logits):
+    """Deformable DETR's module, in float64: locations from reference points and offsets, and the
+    softmax of the logits over levels and points."""
+    N, Lq, M, L, P, _ = sampling_offsets.shape
+    ref = reference_points.double()[:, :, None, :, None, :]
+    offsets = sampling_offsets.double()
+    if reference_points.shape[-1] == 2:
+        size = spatial_shapes.flip(-1).to(device=offsets.device, dtype=torch.float64)  # (W, H)
+        locations = ref + offsets / size[None, None, None, :, None, :]
+    else:
+        locations = ref[..., :2] + offsets / P * ref[..., 2:] * 0.5
+    weights = attention_logits.double().reshape(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
+    return locations, weights
+
+
+def fused_reference(value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits):
+    """The fused op's result in float64."""
+    locations, weights = fused_sampling(spatial_shapes, reference_points, sampling_offsets, attention_logits)
+    return ms_deform_attn_reference_f64(value, spatial_shapes, level_start_index, locations, weights)
+
+
+def ms_deform_attn_reference_f64(*args):
+    from cute_deform import ms_deform_attn_reference
+
+    return ms_deform_attn_reference(*args, out_dtype=torch.float64)
+
+
 # --- Hardening tests (tests/test_hardening*.py): non-finite aware comparison, GPU poisoning, and
 # docs/bad_inputs.md, whose sections are generated and checked by different tests. (Imports here:
 # this part was appended to the file.)
@@ -124,9 +165,9 @@ def nonfinite_mismatch(out: torch.Tensor, ref: torch.Tensor, *, same_kinds: bool
     """None when out is non-finite exactly where ref is; else what differs.
 
     same_kinds: also NaN where ref is NaN and the same signed inf where ref is inf. Without it, out
-    must still be NaN where ref is NaN, but may be NaN where ref is +-inf: the Hopper kernel folds the
-    attention weight into the four corner weights, so with an inf weight, corners of opposite sign
-    (or a zero corner weight) give NaN where the original's (bilinear sum) * inf gives +-inf."""
+    must still be NaN where ref is NaN, but may be NaN where ref is +-inf: with fp16/bf16 value the Hopper
+    kernel sums the four corners in half precision, where a bilinear weight below half's range is 0,
+    and 0 * inf is NaN where the original's tiny weight * inf is inf."""
     out, ref = out.double(), ref.double()
     finite_out, finite_ref = torch.isfinite(out), torch.isfinite(ref)
     if not torch.equal(finite_out, finite_ref):
@@ -178,8 +219,7 @@ and compared with what that test observes otherwise, so it stays true. Do not ed
 - **where checked**: `host` is Python before any launch (`cute_deform/_checks.py`), on every path,
   torch.compile's fake tensors included; `host, CPU level table` reads spatial_shapes /
   level_start_index, so it runs only when spatial_shapes lives on the CPU (reading a GPU tensor
-  would be a host sync); `host, Hopper kernel` is `msda_fwd.check_supported`, on the sm_90 kernel
-  path only; `device: sampling rule` needs no check: the original kernel's rule (a sample outside
+  would be a host sync); `device: sampling rule` needs no check: the original kernel's rule (a sample outside
   (-1, H) x (-1, W), NaN included, adds 0 and ignores its weight) decides, on every path;
   `device: level_table` is the kernel's own check of GPU-resident level tables.
 - **outcome**: the exception with the first line of its message, or how the output compares with

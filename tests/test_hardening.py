@@ -13,7 +13,7 @@ from typing import Callable
 import pytest
 import torch
 
-from cute_deform import ms_deform_attn_reference, msda_fwd
+from cute_deform import ms_deform_attn_reference
 from msda_testing import (check_or_write_doc_section, doc_sections, finite_rel_err, first_line, make_inputs,
                           markdown_table, nonfinite_mismatch, render_doc, strided_copies)
 
@@ -26,7 +26,6 @@ DOC_SEED = 0  # the table is rendered from fixed inputs, so it does not change f
 # Where the GPU path catches or handles each input (the legend is in the doc's header).
 HOST = "host"
 HOST_LEVELS = "host, CPU level table"
-HOST_HOPPER = "host, Hopper kernel"
 HOST_SCHEMA = "host (dispatcher, op schema)"
 HOST_AUTOGRAD = "host (autograd)"
 NO_LAUNCH = "host: nothing to compute, no launch"
@@ -61,15 +60,6 @@ def run_op(args: dict):
 def run_backward(args: dict):
     value = args["value"].detach().requires_grad_()
     torch.ops.cute_deform.forward(value, *list(args.values())[1:]).sum().backward()
-
-
-def hopper_check(levels=None, points=None):
-    """What the op runs before launching the Hopper kernel (it needs no GPU)."""
-    def run(args):
-        L = args["spatial_shapes"].shape[0] if levels is None else levels
-        P = args["sampling_locations"].shape[4] if points is None else points
-        msda_fwd.check_supported(args["value"], L, P)
-    return run
 
 
 @dataclass(frozen=True)
@@ -210,18 +200,9 @@ CASES = {
     "loc-nan-attn-inf": Case("NaN location with an inf weight on the same sample", RULE, lambda a: dict(
         sampling_locations=replaced(a["sampling_locations"], SAMPLE_A, [math.nan, math.nan]),
         attention_weights=replaced(a["attention_weights"], SAMPLE_A, math.inf)), REFERENCE),
-    # What only the Hopper kernel refuses (the op runs check_supported before launching it).
-    "D-3-cpu": Case("head dim D = 3, fp32 value, on the CPU path", "none: only the Hopper kernel limits D",
-                    lambda a: dict(value=a["value"][..., :3]), REFERENCE),
-    "D-3-hopper": Case("head dim D = 3, fp32 value, on the Hopper kernel", HOST_HOPPER,
-                       lambda a: dict(value=a["value"][..., :3]), ValueError, hopper_check()),
-    "D-256-hopper": Case("head dim D = 256, fp16 value, on the Hopper kernel", HOST_HOPPER,
-                         lambda a: dict(value=a["value"].half().repeat(1, 1, 1, 64)), ValueError, hopper_check()),
-    # D = 8 below, so that only the level / point count is unsupported.
-    "L-6-hopper": Case("6 levels on the Hopper kernel", HOST_HOPPER, lambda a: dict(value=a["value"].repeat(1, 1, 1, 2)),
-                       ValueError, hopper_check(levels=6)),
-    "P-17-hopper": Case("17 points on the Hopper kernel", HOST_HOPPER, lambda a: dict(value=a["value"].repeat(1, 1, 1, 2)),
-                        ValueError, hopper_check(points=17)),
+    # Any head dim runs, on every path (on Hopper the generic kernel takes rows that are not whole
+    # 16-byte vectors).
+    "D-3": Case("head dim D = 3, fp32 value", "none: every D runs", lambda a: dict(value=a["value"][..., :3]), REFERENCE),
     # Forward only.
     "backward": Case("value.requires_grad, then backward()", HOST_AUTOGRAD, lambda a: {}, RuntimeError, run_backward),
 }
@@ -277,7 +258,7 @@ def test_case_behaves_as_declared(gen, case_id):
     assert kind == expected_kind(CASES[case_id]), outcome
 
 
-@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].where in (HOST, HOST_LEVELS, HOST_HOPPER)
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].where in (HOST, HOST_LEVELS)
                                      and not isinstance(CASES[c].expect, str)])
 def test_our_errors_name_the_argument(gen, case_id):
     """Errors raised by cute_deform's own checks say which argument is wrong (check_supported's
@@ -311,8 +292,7 @@ def render_cpu_section() -> str:
     intro = (
         "## Every path (run on the CPU)\n\n"
         "Written by `tests/test_hardening.py`, which runs each case through `torch.ops.cute_deform.forward` on "
-        "the CPU (rows marked *Hopper kernel* call `cute_deform.msda_fwd.check_supported`, what the op runs "
-        "before the sm_90 kernel). The host checks are the same on every device; on a GPU the hostile values "
+        "the CPU. The host checks are the same on every device; on a GPU the hostile values "
         "meet the kernel's sampling rule instead of the reference's (see the GPU tests). Valid inputs the "
         f"cases start from: {sizes}, levels {', '.join(map(str, LEVELS))} (S=16), fp32, all on the CPU.\n\n"
     )

@@ -1,37 +1,45 @@
 """Every CuTe kernel variant compiles for sm_90a on a machine without a GPU, and its PTX holds the
-instructions the design depends on. Also the disk cache of compiled kernels."""
+instructions the design depends on. Also the disk cache of compiled kernels and the tile schedule."""
 import dataclasses
 import re
 
 import pytest
 
-msda_fwd = pytest.importorskip("cute_deform.msda_fwd")
-if not msda_fwd.available():
+interface = pytest.importorskip("cute_deform.hopper.interface")
+if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
-KernelConfig = msda_fwd.KernelConfig
+from cute_deform.hopper import tile_scheduler  # noqa: E402
+from cute_deform.hopper.config import KernelConfig  # noqa: E402
+from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 
-# (name, config): the code paths of the kernel. fine_gather picks how unstaged levels are read
-# (ldg = 16-byte loads through L1, tma = one TMA box per sample through the ring), cluster_size=2
-# adds TMA multicast of the staged levels, stage_bytes=0 sends every level the unstaged way; dtypes
-# and head dims change the vector widths and the threads per query.
+TUNING = interface.TUNING
+
+
+def tiled(value, loc, attn, M, L, P, D, **kw):
+    return KernelConfig(value, loc, attn, M, L, P, D, **{**TUNING, **kw})
+
+
+# (name, config): the code paths of the kernels. fine_gather picks how unstaged levels are read (ldg =
+# 16-byte loads through L1, tma = one 2x2xD TMA box per sample), cluster_size=2 adds TMA multicast of
+# the staged levels, stage_bytes=0 stages nothing, fused reads reference points, offsets and logits;
+# dtypes and head dims change the vector widths and the threads per query (D=48: 6 threads a query,
+# 21 queries a tile, 2 idle threads); the generic kernel takes every other shape.
 VARIANTS = [
-    ("default", KernelConfig("float16", "float32", "float32", 8, 4, 4, 32)),
-    ("ldg-cluster1", KernelConfig("float16", "float32", "float32", 8, 4, 8, 32, fine_gather="ldg", cluster_size=1)),
-    ("ldg-nostage-bf16", KernelConfig("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 64, fine_gather="ldg",
-                                      stage_bytes=0, cluster_size=1)),
-    ("tma-cluster1", KernelConfig("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=3,
-                                  num_stages=4, cluster_size=1)),
-    ("tma-cluster2-fp32", KernelConfig("float32", "float16", "float32", 4, 3, 2, 32, fine_gather="tma",
-                                       num_groups=2, num_stages=4, cluster_size=2)),
-    ("tma-nostage-d16", KernelConfig("float16", "float16", "float16", 1, 5, 16, 16, fine_gather="tma",
-                                     num_groups=2, num_stages=4, stage_bytes=0, cluster_size=1)),
-    ("ldg-fp32-d64-l1p1", KernelConfig("float32", "float32", "float32", 1, 1, 1, 64, fine_gather="ldg")),
-    ("ldg-bf16-d128", KernelConfig("bfloat16", "float32", "float16", 2, 2, 8, 128, fine_gather="ldg")),
-    ("ldg-prefetch-fp16", KernelConfig("float16", "float16", "float16", 8, 4, 8, 32, fine_gather="ldg", num_groups=5,
-                                       num_stages=2, cluster_size=2)),
-    ("ldg-records", KernelConfig("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="ldg", num_groups=5,
-                                 num_stages=1, cluster_size=2, footprint_records=True)),
+    ("default", tiled("float16", "float32", "float32", 8, 4, 4, 32)),
+    ("cluster1-p8", tiled("float16", "float32", "float32", 8, 4, 8, 32, cluster_size=1)),
+    ("nostage-bf16-d64", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 64, stage_bytes=0, cluster_size=1)),
+    ("boxes", tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=3, num_stages=4)),
+    ("boxes-cluster2-fp32", tiled("float32", "float16", "float32", 4, 3, 2, 32, fine_gather="tma", num_groups=2,
+                                  num_stages=4)),
+    ("fp32-d64-l1p1", tiled("float32", "float32", "float32", 1, 1, 1, 64)),
+    ("unpacked-fp16", tiled("float16", "float32", "float32", 8, 4, 4, 32, packed=False)),
+    ("d48-idle-threads", tiled("float16", "float32", "float32", 8, 4, 4, 48)),
+    ("inputs-from-global", tiled("float16", "float32", "float32", 8, 3, 3, 32)),
+    ("fused-xy", tiled("float16", "float32", "float32", 8, 4, 4, 32, fused=True, ref_dims=2)),
+    ("fused-boxes-bf16", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 32, fused=True, ref_dims=4)),
+    ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
+    ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
 
 
@@ -43,7 +51,7 @@ def ptx_of(tmp_path_factory):
     for name, cfg in VARIANTS:
         folder = root / name
         folder.mkdir()
-        msda_fwd.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
+        interface.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
         files = list(folder.glob("*.sm_90a.ptx"))
         assert len(files) == 1, f"{name}: expected one sm_90a PTX file, found {files}"
         texts[name] = files[0].read_text()
@@ -54,79 +62,154 @@ def configs_of(name):
     return dict(VARIANTS)[name]
 
 
-@pytest.mark.parametrize("name", [n for n, _ in VARIANTS])
-def test_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
+@pytest.mark.parametrize("name", [n for n, cfg in VARIANTS if isinstance(cfg, KernelConfig)])
+def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     ptx = ptx_of[name]
     cfg = configs_of(name)
     assert re.search(r"^\.target sm_90a", ptx, re.M), "not compiled for sm_90a"
-    # Whole coarse levels (and with fine_gather=tma every footprint) arrive by TMA on an mbarrier.
-    assert "cp.async.bulk.tensor.4d" in ptx and "mbarrier::complete_tx::bytes" in ptx
+    # Staged levels (and prefetched inputs) arrive by TMA on mbarriers; consumers wait on them.
+    assert re.search(r"cp\.async\.bulk\.tensor\.[34]d", ptx) and "mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait" in ptx
-    # Tensor maps are patched on the device, never built from host-read level sizes.
-    assert "tensormap.replace.tile.global_dim" in ptx and "tensormap.cp_fenceproxy" in ptx
-    assert "fence.proxy.tensormap::generic.acquire" in ptx
-    boxes = "cp.async.bulk.tensor.5d" in ptx
-    assert boxes == (cfg.fine_gather == "tma"), "2x2xD footprint boxes only in the TMA gather variant"
-    if cfg.fine_gather == "ldg":
-        assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
-    # With L1 gathers, producers prefetch each tile's locations and weights: two more 4-D TMA loads
-    # (shapes whose rows are not a multiple of 16 bytes read them in the consumers instead).
-    loads_4d = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.4d", ptx, re.M))
-    assert loads_4d == cfg.num_levels + (2 if cfg.prefetch_inputs else 0)
-    # Footprint records: a named barrier per group (bar.sync with a thread count) between the phases.
-    assert cfg.records == bool(re.search(r"bar(rier)?\.sync(\.aligned)?\s+%?\w+,\s*128;", ptx))
+    # A staging load per level, and two for each tile's inputs when they are prefetched (4-D boxes over
+    # (channels, head, pixel or query, image); 3-D where one head leaves that mode out).
+    loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
+    assert loads == cfg.num_levels + (2 if cfg.prefetch_inputs else 0)
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
-    # The shared-memory reads of boxes and staged pixels are 16-byte vectors.
+    # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
+    boxes = "cp.async.bulk.tensor.5d" in ptx
+    assert boxes == (cfg.fine_gather == "tma")
+    assert ("tensormap.replace.tile.global_dim" in ptx) == boxes
+    if cfg.fine_gather == "ldg":
+        assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
+    # Staged pixels (and boxes) are read as 16-byte vectors.
     assert "ld.shared.v4" in ptx
+    # fp16 value: the four-corner sums in packed half arithmetic unless turned off.
+    packed = re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx) is not None
+    if cfg.value_dtype == "float16":
+        assert packed == cfg.packed
+    if cfg.value_dtype == "bfloat16" and cfg.packed:
+        assert re.search(r"\b(fma|mul)(\.rn)?\.bf16x2", ptx)
+    # The fused kernel computes the softmax: exponentials on the device.
+    assert ("ex2.approx" in ptx) == cfg.fused
+
+
+@pytest.mark.parametrize("name", [n for n, cfg in VARIANTS if isinstance(cfg, GenericConfig)])
+def test_generic_variant_compiles_without_tma(ptx_of, name):
+    ptx = ptx_of[name]
+    cfg = configs_of(name)
+    assert re.search(r"^\.target sm_90a", ptx, re.M)
+    assert "cp.async.bulk" not in ptx
+    assert ("ex2.approx" in ptx) == cfg.fused
+
+
+@pytest.mark.parametrize("D,dtype,tiled_kernel", [
+    (32, "float16", True), (48, "float16", True), (96, "float32", True), (256, "float16", True), (8, "float16", True),
+    (1024, "float16", True), (1025, "float16", False), (30, "float16", False), (3, "float32", False),
+    (2, "float32", False), (4, "bfloat16", False), (2048, "float16", False)])
+def test_head_dims_go_to_the_kernel_that_takes_them(D, dtype, tiled_kernel):
+    from cute_deform.hopper.config import ITEMSIZE, tiled_kernel_fits
+
+    assert tiled_kernel_fits(ITEMSIZE[dtype], D, 4, 4) == tiled_kernel
+    if tiled_kernel:
+        cfg = tiled(dtype, "float32", "float32", 8, 4, 4, D)
+        assert cfg.threads_per_query * cfg.queries_per_tile <= 128
+        assert cfg.queries_per_tile >= 1
+    else:
+        cfg = GenericConfig(dtype, "float32", "float32", 8, 4, 4, D)
+        assert D % cfg.channels_per_thread == 0 and cfg.channels_per_thread * cfg.itemsize <= 16
+
+
+def test_more_levels_or_points_go_to_the_generic_kernel():
+    from cute_deform.hopper.config import tiled_kernel_fits
+
+    assert tiled_kernel_fits(2, 32, 5, 16)
+    assert not tiled_kernel_fits(2, 32, 6, 4)
+    assert not tiled_kernel_fits(2, 32, 4, 17)
 
 
 def test_cache_key_depends_only_on_static_parameters():
-    a = KernelConfig("float16", "float32", "float32", 8, 4, 4, 32)
-    assert msda_fwd.cache_key(a) == msda_fwd.cache_key(KernelConfig("float16", "float32", "float32", 8, 4, 4, 32))
-    assert msda_fwd.cache_key(a) != msda_fwd.cache_key(KernelConfig("float16", "float32", "float32", 8, 4, 8, 32))
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    assert not fields & {"batch", "num_queries", "num_keys", "height", "width"}
+    a = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    assert interface.cache_key(a) == interface.cache_key(tiled("float16", "float32", "float32", 8, 4, 4, 32))
+    assert interface.cache_key(a) != interface.cache_key(tiled("float16", "float32", "float32", 8, 4, 8, 32))
+    assert interface.cache_key(a) != interface.cache_key(dataclasses.replace(a, fused=True))
+    fields = {f.name for f in dataclasses.fields(KernelConfig)} | {f.name for f in dataclasses.fields(GenericConfig)}
+    assert not fields & {"batch", "num_queries", "num_keys", "height", "width", "rounds"}
 
 
 def test_disk_cache_stores_loads_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path))
-    cfg = KernelConfig("float16", "float16", "float16", 2, 1, 1, 16, fine_gather="ldg", cluster_size=1)
-    monkeypatch.setattr(msda_fwd, "_compiled", {})
-    compiled = msda_fwd._kernel_for(cfg)
-    entry = tmp_path / f"msda_fwd_{msda_fwd.cache_key(cfg)}.o"
+    cfg = GenericConfig("float16", "float16", "float16", 2, 1, 1, 16)
+    monkeypatch.setattr(interface, "_compiled", {})
+    compiled = interface.kernel_for(cfg)
+    entry = tmp_path / f"msda_{interface.cache_key(cfg)}.o"
     assert entry.is_file() and entry.stat().st_size > 10_000
     assert not list(tmp_path.glob(".tmp-*")), "temporary files must be renamed or removed"
 
-    monkeypatch.setattr(msda_fwd, "_compiled", {})
-    monkeypatch.setattr(msda_fwd, "compile_kernel", lambda *a, **k: pytest.fail("should load from disk"))
-    loaded = msda_fwd._kernel_for(cfg)
+    monkeypatch.setattr(interface, "_compiled", {})
+    monkeypatch.setattr(interface, "compile_kernel", lambda *a, **k: pytest.fail("should load from disk"))
+    loaded = interface.kernel_for(cfg)
     assert callable(loaded) and loaded is not compiled
 
     entry.write_bytes(b"not an object file")
-    monkeypatch.setattr(msda_fwd, "_compiled", {})
     monkeypatch.undo()
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(msda_fwd, "_compiled", {})
-    rebuilt = msda_fwd._kernel_for(cfg)
+    monkeypatch.setattr(interface, "_compiled", {})
+    rebuilt = interface.kernel_for(cfg)
     assert callable(rebuilt)
     assert entry.stat().st_size > 10_000, "the corrupt entry was replaced by a good one"
 
 
 def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path / "here"))
-    assert msda_fwd.cache_dir() == tmp_path / "here"
+    assert interface.cache_dir() == tmp_path / "here"
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", "off")
-    assert msda_fwd.cache_dir() is None
+    assert interface.cache_dir() is None
     monkeypatch.delenv("CUTE_DEFORM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert msda_fwd.cache_dir() == tmp_path / "cute_deform"
+    assert interface.cache_dir() == tmp_path / "cute_deform"
 
 
 def test_precompile_covers_the_gather_order_the_launch_may_pick():
-    cfg = KernelConfig("float16", "float32", "float32", 8, 4, 4, 32, **msda_fwd.TUNING)
-    variants = msda_fwd.launch_variants(cfg)
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    variants = interface.launch_variants(cfg)
     assert variants == [cfg, dataclasses.replace(cfg, l1_first=True)]
-    assert msda_fwd.launch_variants(variants[1]) == [variants[1]]
-    even_split = dataclasses.replace(cfg, whole_segments=False)
-    assert msda_fwd.launch_variants(even_split) == [even_split]
+    assert interface.launch_variants(variants[1]) == [variants[1]]
+    boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
+    assert interface.launch_variants(boxes) == [boxes]
+
+
+def ranges(num_tiles, blocks, clusters, schedule):
+    """The tile ranges of the device's TileScheduler.boundary, in exact integers."""
+    count = clusters * schedule.rounds
+    segments = num_tiles // blocks
+
+    def boundary(i):
+        return i * segments // count * blocks if schedule.whole else i * num_tiles // count
+    return [(boundary(i), boundary(i + 1)) for i in range(count)]
+
+
+@pytest.mark.parametrize("N,M,blocks,clusters", [(48, 8, 482, 66), (8, 8, 29, 66), (1, 8, 475, 66), (2, 8, 695, 66),
+                                                 (1, 1, 3, 66), (3, 5, 7, 2)])
+def test_schedule_covers_every_tile_once_and_bounds_the_window(N, M, blocks, clusters):
+    num_tiles = N * M * blocks
+    slice_bytes = 20_000 * 64
+    window = 25 << 20
+    schedule = tile_scheduler.plan(num_tiles, blocks, clusters, slice_bytes, window, min_range=20, slack=5)
+    spans = ranges(num_tiles, blocks, clusters, schedule)
+    covered = [t for begin, end in spans for t in range(begin, end)]
+    assert sorted(covered) == list(range(num_tiles)), "every tile exactly once"
+    # In one round, all clusters work inside one stretch of tiles whose slices fit the window.
+    for r in range(schedule.rounds):
+        stretch = spans[r * clusters:(r + 1) * clusters]
+        first, last = stretch[0][0], stretch[-1][1]
+        if last > first:
+            slices = (last - 1) // blocks - first // blocks + 1
+            assert slices * slice_bytes <= window or last - first <= clusters * 20 + blocks
+    if schedule.whole:
+        assert all(begin % blocks == 0 for begin, _ in spans)
+
+
+def test_one_round_without_a_window():
+    schedule = tile_scheduler.plan(48 * 8 * 482, 482, 66, 1 << 20, 0, 20, 5)
+    assert schedule.rounds == 1

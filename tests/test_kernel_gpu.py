@@ -1,44 +1,54 @@
-"""The Hopper kernel against the float64 reference over a grid of configurations (issue 3): value
-fp32/fp16/bf16 x locations fp32/fp16, L 1..5, P 1/2/4/8/16, D 16/32/64, M 1 and 8, odd level sizes
-with H or W = 1, locations outside, on borders and on pixel centres, every variant of the kernel.
-Outputs are poisoned before every run. Skipped without a Hopper GPU (tests/conftest.py)."""
+"""The Hopper kernels against the float64 reference over a grid of configurations: value
+fp32/fp16/bf16 x locations fp32/fp16, L 1..5, P 1/2/4/8/16, many head dims (whole 16-byte rows or not,
+powers of two or not, up to 1025), M 1 and 8, odd level sizes with H or W = 1, locations outside, on
+borders and on pixel centres, every variant of the tiled kernel, the generic kernel, and the fused
+kernels (reference points, offsets and logits). Outputs are poisoned before every run. Skipped without a
+Hopper GPU (tests/conftest.py)."""
 import itertools
 
 import pytest
 import torch
 
-from cute_deform import ms_deform_attn_reference, msda_fwd
-from msda_testing import make_inputs, rel_err, sprinkle_special_locations
+from cute_deform import ms_deform_attn_reference
+from cute_deform.hopper import interface
+from msda_testing import fused_inputs, fused_reference, make_inputs, rel_err, sprinkle_special_locations
 
 pytestmark = pytest.mark.gpu
 
-BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# fp32 arithmetic for fp32 value; packed half arithmetic for the four-corner sums of fp16/bf16 value.
+BOUND = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 # The first level is larger than any staging buffer, so it always takes the unstaged path; the
 # others are small, odd, and include H = 1 and W = 1.
 LEVELS = [(40, 57), (13, 17), (7, 1), (1, 9), (5, 6)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Kernel variants: the default, per-sample TMA boxes, no multicast, no staging at all, footprint records.
+# Variants of the tiled kernel: the default, per-sample TMA boxes, no multicast, no staging, fp32
+# corner sums; and the generic kernel on shapes the tiled one takes.
 VARIANTS = {
     "default": {},
-    "tma": dict(fine_gather="tma", num_groups=3, num_stages=4),
+    "boxes": dict(fine_gather="tma", num_groups=3, num_stages=4),
     "nocluster": dict(cluster_size=1),
     "nostage": dict(stage_bytes=0, cluster_size=1),
-    "records": dict(footprint_records=True),
+    "unpacked": dict(packed=False),
+    "generic": dict(generic=True),
 }
+HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
 
 
 def cases():
     out = []
-    # Every value dtype x location dtype x head dim, with both fine-level gathers.
+    # Every value dtype x location dtype x head dim of the old grid, with both fine-level gathers.
     for (vname, lname, D), variant in itertools.product(
-            itertools.product(("fp32", "fp16", "bf16"), ("fp32", "fp16"), (16, 32, 64)), ("default", "tma")):
+            itertools.product(("fp32", "fp16", "bf16"), ("fp32", "fp16"), (16, 32, 64)), ("default", "boxes")):
         out.append(dict(value=vname, loc=lname, D=D, L=4, P=4, M=8, variant=variant))
-    # Every level count x point count, with and without footprint records.
-    for (L, P), variant in itertools.product(itertools.product(range(1, 6), (1, 2, 4, 8, 16)), ("default", "records")):
-        out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant=variant))
+    # Any head dim in any value dtype (the generic kernel where rows are not whole 16-byte vectors).
+    for vname, D in itertools.product(("fp32", "fp16", "bf16"), HEAD_DIMS):
+        out.append(dict(value=vname, loc="fp32", D=D, L=3, P=2, M=2 if D > 200 else 4, variant="default"))
+    # Every level count x point count (6 levels and 20 points: the generic kernel).
+    for L, P in itertools.product((1, 2, 3, 5, 6), (1, 2, 4, 8, 16, 20)):
+        out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant="default"))
     # The remaining variants.
-    for variant in ("nocluster", "nostage", "records"):
-        for vname in ("fp32", "bf16"):
+    for variant in ("nocluster", "nostage", "unpacked", "generic"):
+        for vname in ("fp32", "fp16", "bf16"):
             out.append(dict(value=vname, loc="fp16", D=32, L=5, P=8, M=8, variant=variant))
     return out
 
@@ -50,44 +60,85 @@ def case_id(c):
     return f"{c['variant']}-v{c['value']}-l{c['loc']}-D{c['D']}-L{c['L']}-P{c['P']}-M{c['M']}"
 
 
-def config_of(c):
-    return msda_fwd.KernelConfig(msda_fwd._TORCH_TO_NAME[DTYPES[c["value"]]], msda_fwd._TORCH_TO_NAME[DTYPES[c["loc"]]],
-                                 msda_fwd._TORCH_TO_NAME[DTYPES[c["loc"]]], c["M"], c["L"], c["P"], c["D"],
-                                 **{**msda_fwd.TUNING, **VARIANTS[c["variant"]]})
+def fake_inputs(c):
+    """Inputs of the case's dtypes and static sizes: what picks the compiled configuration."""
+    value, _, _, loc, attn = make_inputs(torch.Generator().manual_seed(0), levels_of(c), batch=1, queries=1,
+                                         heads=c["M"], head_dim=c["D"], points=c["P"], dtype=DTYPES[c["value"]],
+                                         loc_dtype=DTYPES[c["loc"]], attn_dtype=DTYPES[c["loc"]])
+    return value, loc, attn
+
+
+def levels_of(c):
+    if c["L"] <= len(LEVELS):
+        return LEVELS[:c["L"]]
+    return LEVELS + [(3, 4)] * (c["L"] - len(LEVELS))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels():
     """Compile every configuration of the grid up front, in parallel processes, into the disk cache."""
-    msda_fwd.precompile([config_of(c) for c in CASES])
+    configs = []
+    for c in CASES:
+        value, loc, attn = fake_inputs(c)
+        configs.append(interface.config_for(value, loc, attn, **VARIANTS[c["variant"]]))
+    interface.precompile(configs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_kernel_matches_float64_reference(gen, case):
-    levels = LEVELS[:case["L"]]
+    levels = levels_of(case)
     vdt, ldt = DTYPES[case["value"]], DTYPES[case["loc"]]
     value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=77, heads=case["M"],
                                                    head_dim=case["D"], points=case["P"], dtype=torch.float64)
     loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
     value, loc, attn = value.to(vdt).cuda(), loc.to(ldt).cuda(), attn.to(ldt).cuda()
     shapes, starts = shapes.cuda(), starts.cuda()
-    assert msda_fwd.config_for(value, loc, attn, **VARIANTS[case["variant"]]) == config_of(case)
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
     for _ in range(2):  # two runs on fresh poison: a race shows as a difference
-        torch.full((value.numel() * 4,), float("nan"), device="cuda")  # freed: NaN in the allocator
-        out = msda_fwd.msda_forward(value, shapes, starts, loc, attn, **VARIANTS[case["variant"]])
+        torch.full((value.numel() * 4 + ref.numel() * 2,), float("nan"), device="cuda")  # freed: NaN in the allocator
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **VARIANTS[case["variant"]])
         assert out.dtype == vdt and out.shape == ref.shape
         assert torch.isfinite(out).all(), "output elements left unwritten"
         assert rel_err(out, ref) <= BOUND[vdt]
 
 
-def test_kernel_on_the_presets_matches_reference(gen):
-    """Realistic sizes: several segments per CTA, partial tiles, many CTAs."""
+FUSED = [dict(value=v, ref_dims=r, D=D, L=L, P=P, variant=var)
+         for v, r, (D, L, P), var in itertools.product(
+             ("fp32", "fp16", "bf16"), (2, 4), ((32, 4, 4), (48, 3, 3), (30, 2, 5)), ("default", "generic"))]
+
+
+@pytest.mark.parametrize("case", FUSED, ids=lambda c: f"{c['variant']}-v{c['value']}-ref{c['ref_dims']}-D{c['D']}-L{c['L']}-P{c['P']}")
+def test_fused_kernel_matches_float64_reference(gen, case):
+    """Locations from reference points and offsets, softmax of the logits, in the kernel."""
+    levels = LEVELS[:case["L"]]
+    vdt = DTYPES[case["value"]]
+    value, shapes, starts, ref_points, offsets, logits = fused_inputs(
+        gen, levels, batch=2, queries=53, heads=8, head_dim=case["D"], points=case["P"], ref_dims=case["ref_dims"])
+    value = value.to(vdt).cuda()
+    ref_points, offsets, logits = ref_points.float().cuda(), offsets.to(vdt).cuda(), logits.to(vdt).cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    expected = fused_reference(value, shapes, starts, ref_points, offsets, logits)
+    for _ in range(2):
+        torch.full((value.numel() * 4,), float("nan"), device="cuda")
+        out = interface.msda_forward_fused(value, shapes, starts, ref_points, offsets, logits,
+                                           **VARIANTS[case["variant"]])
+        assert torch.isfinite(out).all(), "output elements left unwritten"
+        assert rel_err(out, expected) <= BOUND[vdt]
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_kernel_on_a_large_batch_matches_reference(gen, order):
+    """Realistic sizes with several rounds of the schedule: many segments per cluster, partial tiles,
+    queries in either order."""
     levels = [(100, 152), (50, 76), (25, 38), (13, 19)]
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=3001, heads=8, head_dim=32,
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=6, queries=3001, heads=8, head_dim=32,
                                                    points=8, dtype=torch.float32)
+    if order == "shuffled":
+        loc = loc[:, torch.randperm(loc.shape[1], generator=gen)]
     value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
     shapes, starts = shapes.cuda(), starts.cuda()
-    out = msda_fwd.msda_forward(value, shapes, starts, loc, attn)
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    assert rel_err(out, ref) <= BOUND[torch.float16]
+    for window in (0.0, 0.01, 0.5):  # one round; many rounds; the default
+        out = interface.msda_forward(value, shapes, starts, loc, attn, window_fraction=window)
+        ref = ms_deform_attn_reference(value[:2], shapes, starts, loc[:2], attn[:2], out_dtype=torch.float64)
+        assert rel_err(out[:2], ref) <= BOUND[torch.float16]
+        assert torch.isfinite(out).all()

@@ -126,14 +126,15 @@ def test_torch_compile_fullgraph(gen):
 def test_kernel_dispatch_decision(monkeypatch):
     """The CUDA kernel runs only on capability (9, 0) with the kernel module available; any other
     device gets a reason, which the op's slower path puts in its warning."""
-    from cute_deform import msda_fwd, op
+    from cute_deform import op
+    from cute_deform.hopper import interface
 
     for capability in [(8, 0), (8, 9), (9, 0), (10, 0)]:
         op.kernel_unavailable_reason.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         reason = op.kernel_unavailable_reason(0)
         if capability == (9, 0):
-            assert (reason is None) == msda_fwd.available()
+            assert (reason is None) == interface.available()
         else:
             assert f"cuda:0 is sm_{capability[0]}{capability[1]}" in reason
     op.kernel_unavailable_reason.cache_clear()

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import baselines  # noqa: E402
 
 LDG, MEMCPY_ASYNC, TMA = 0, 1, 2

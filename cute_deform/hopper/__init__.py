@@ -1,0 +1,13 @@
+"""The Hopper (sm_90a) kernels of cute_deform, written in the CuTe DSL.
+
+One concern per module:
+- config.py          static parameters (KernelConfig) and the shared-memory plan
+- tile_scheduler.py  which tiles each cluster works on, in rounds that keep L2 warm in any query order
+- pipeline.py        the producer/consumer rings (cutlass.pipeline), the staging barrier
+- inputs.py          a query's locations and weights: prefetched or from global; fused or not
+- sampling.py        the per-sample bilinear arithmetic
+- kernel.py          the tiled kernel (MSDAForward): TMA atoms, shared storage, producer and consumer roles
+- generic.py         the generic kernel for every other shape (any head dim, more levels or points)
+- interface.py       torch glue: configuration, compile cache, launch
+"""
+from .interface import available, check_supported, msda_forward, msda_forward_fused  # noqa: F401

@@ -1,0 +1,201 @@
+"""Static parameters of the Hopper kernel and the shared-memory plan they imply.
+
+Everything a compiled kernel depends on is a field of KernelConfig; problem sizes (N, Lq, S, level
+sizes) never are, so one compiled kernel serves every size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONSUMER_WARPS = 4  # consumer warps a group; a tile is the queries these 128 threads cover
+TARGET_ARCH = "sm_90a"  # every kernel is built for Hopper, whatever GPU (or none) the compiling machine has
+STAGE_BOX_PIXELS = 64  # pixels per TMA box when staging a whole level
+TENSORMAP_BYTES = 128
+MAX_LEVELS = 5  # the tiled kernel unrolls levels; more go to the generic kernel
+MAX_POINTS = 16
+SMEM_PER_SM = 227 * 1024
+AUTO_RING_BYTES = 120 * 1024  # the input rings of all groups together, at most (leaves room for staging)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def round_up(x: int, k: int) -> int:
+    return (x + k - 1) // k * k
+
+
+def tiled_kernel_fits(itemsize: int, head_dim: int, num_levels: int, num_points: int) -> bool:
+    """Whether the tiled kernel takes this shape: a query's head is whole 16-byte vectors, at most 128
+    of them (the threads of a tile), and few enough levels and points to unroll. The generic kernel
+    takes everything else."""
+    row = head_dim * itemsize
+    return (row % 16 == 0 and row <= 128 * 16 and 1 <= num_levels <= MAX_LEVELS
+            and 1 <= num_points <= MAX_POINTS)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Static parameters of the tiled kernel. With fused=True the kernel reads reference points,
+    sampling offsets and attention logits (the `sampling_offsets` and `attention_weights` Linear
+    outputs) and computes the locations and the softmax itself; loc_dtype and attn_dtype are then the
+    dtypes of the offsets and the logits."""
+
+    value_dtype: str
+    loc_dtype: str
+    attn_dtype: str
+    num_heads: int
+    num_levels: int
+    num_points: int
+    head_dim: int
+    fused: bool = False
+    ref_dtype: str = "float32"  # fused: reference points' dtype
+    ref_dims: int = 2  # fused: 2 for (x, y) reference points, 4 for (cx, cy, w, h) boxes
+    num_stages: int = 2  # input-ring (or box-ring) stages per group
+    num_groups: int = 0  # groups of a producer warp and four consumer warps per CTA; 0: automatic
+    stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 stages nothing
+    cluster_size: int = 2  # 2: CTA pairs share each range and multicast the staged levels
+    fine_gather: str = "ldg"  # levels that are not staged: "ldg" 16-byte loads through L1, "tma" 2x2xD boxes
+    packed: bool = True  # fp16/bf16 value: each sample's bilinear sum in packed half arithmetic
+    l1_first: bool = False  # L1 levels before staged ones: a range's first tile starts before its staging
+
+    def __post_init__(self):
+        if self.num_groups == 0:
+            object.__setattr__(self, "num_groups", self._auto_groups())
+        if self.fine_gather not in ("ldg", "tma"):
+            raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
+        if self.fused and self.fine_gather != "ldg":
+            raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
+        if self.threads > 1024:
+            raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
+
+    # --- sizes of a tile -------------------------------------------------------------------------
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.value_dtype]
+
+    @property
+    def channels_per_thread(self) -> int:  # one 16-byte vector of value per thread and corner
+        return 16 // self.itemsize
+
+    @property
+    def threads_per_query(self) -> int:
+        return self.head_dim * self.itemsize // 16
+
+    @property
+    def queries_per_tile(self) -> int:
+        """Queries of one tile: as many as the 128 consumer threads of a group cover whole (threads past
+        the last query idle where the head's vectors do not divide 128)."""
+        return CONSUMER_WARPS * 32 // self.threads_per_query
+
+    @property
+    def level_points(self) -> int:
+        return self.num_levels * self.num_points
+
+    @property
+    def packed_math(self) -> bool:
+        return self.packed and self.value_dtype != "float32"
+
+    # --- the input ring: each tile's locations (or offsets) and weights (or logits) ----------------
+    @property
+    def _inputs_fit_tma(self) -> bool:
+        return (self.level_points * 2 * ITEMSIZE[self.loc_dtype] % 16 == 0
+                and self.level_points * ITEMSIZE[self.attn_dtype] % 16 == 0)
+
+    def _stage_elems(self, per_query: int, dtype: str) -> int:
+        """Elements of one stage of an input ring: G rows of per_query, padded to 128 bytes."""
+        return round_up(self.queries_per_tile * per_query * ITEMSIZE[dtype], 128) // ITEMSIZE[dtype]
+
+    @property
+    def loc_stage_elems(self) -> int:
+        return self._stage_elems(2 * self.level_points, self.loc_dtype)
+
+    @property
+    def attn_stage_elems(self) -> int:
+        return self._stage_elems(self.level_points, self.attn_dtype)
+
+    @property
+    def input_stage_bytes(self) -> int:
+        return self.loc_stage_elems * ITEMSIZE[self.loc_dtype] + self.attn_stage_elems * ITEMSIZE[self.attn_dtype]
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes the two TMA boxes of one tile's inputs deliver."""
+        return self.queries_per_tile * self.level_points * (2 * ITEMSIZE[self.loc_dtype] + ITEMSIZE[self.attn_dtype])
+
+    @property
+    def _group_ring_bytes(self) -> int:
+        return self.num_stages * self.input_stage_bytes
+
+    @property
+    def prefetch_inputs(self) -> bool:
+        """With L1 gathers, producer warps load each tile's inputs with two TMA boxes into a ring of
+        shared-memory stages, ahead of the consumers. TMA needs rows of a multiple of 16 bytes and the
+        rings must leave room for staging; other shapes read their inputs in the consumers."""
+        return (self.fine_gather == "ldg" and self._inputs_fit_tma
+                and self.num_groups * self._group_ring_bytes <= SMEM_PER_SM - 64 * 1024)
+
+    @property
+    def input_slots(self) -> int:
+        return self.num_groups * self.num_stages if self.prefetch_inputs else 1
+
+    def _auto_groups(self) -> int:
+        """Five groups (measured faster than six on every preset once the inputs come from shared
+        memory) where the input rings leave ~100 KB for staging; fewer where they are larger."""
+        if self.fine_gather == "tma":
+            return 4
+        for groups in (5, 4, 3, 2):
+            if not self._inputs_fit_tma or groups * self._group_ring_bytes <= AUTO_RING_BYTES:
+                return groups
+        return 1
+
+    # --- the box ring (fine_gather="tma"): one 2x2xD box per sample ---------------------------------
+    @property
+    def box_bytes(self) -> int:
+        return 4 * self.head_dim * self.itemsize
+
+    @property
+    def box_ring_elems(self) -> int:
+        if self.fine_gather != "tma":
+            return 8  # never read
+        return self.queries_per_tile * 4 * self.head_dim * self.num_stages * self.num_groups
+
+    @property
+    def map_slots(self) -> int:
+        """Tensor maps a CTA patches on the device: each group's box map of every level."""
+        return self.num_levels * self.num_groups if self.fine_gather == "tma" else 1
+
+    # --- warps and CTAs ----------------------------------------------------------------------------
+    @property
+    def producer_warps(self) -> int:
+        """A producer warp per group feeds its ring; with no ring, one producer warp only stages."""
+        return self.num_groups if self.fine_gather == "tma" or self.prefetch_inputs else 1
+
+    @property
+    def threads(self) -> int:
+        return (self.num_groups * CONSUMER_WARPS + self.producer_warps) * 32
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs that fit on one SM at once. The block size is the only launch bound, so ptxas may use up
+        to 65536 / threads registers a thread: count on at least 64."""
+        by_registers = 65536 // (self.threads * 64)
+        return max(1, min(SMEM_PER_SM // self.smem_bytes, 2048 // self.threads, by_registers))
+
+    # --- shared memory -----------------------------------------------------------------------------
+    @property
+    def _smem_without_staging(self) -> int:
+        ring = self.box_ring_elems * self.itemsize
+        inputs = self.input_slots * self.input_stage_bytes
+        maps = self.map_slots * TENSORMAP_BYTES
+        barriers = 16 * self.num_stages * self.num_groups * 2
+        return ring + inputs + maps + barriers + 1024
+
+    @property
+    def stage_pixels(self) -> int:
+        """Pixels of one head that the staging buffer holds, in whole staging boxes: stage_bytes, or
+        what shared memory has left after the rings (one pixel more is the zero pixel)."""
+        pixel = self.head_dim * self.itemsize
+        budget = min(self.stage_bytes, SMEM_PER_SM - self._smem_without_staging - pixel)
+        return max(0, budget) // pixel // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+
+    @property
+    def smem_bytes(self) -> int:
+        return self._smem_without_staging + (self.stage_pixels + 1) * self.head_dim * self.itemsize

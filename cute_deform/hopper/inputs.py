@@ -1,0 +1,141 @@
+"""Where a query's sampling positions and attention weights come from, point by point.
+
+A consumer thread reads one query's row of one head: either from the tile's stage that its group's
+producer prefetched into shared memory, or, for shapes whose rows TMA cannot load, from global memory
+one level at a time. The unfused kernel reads sampling locations and attention weights; the fused
+kernel reads reference points, the raw sampling offsets and the attention logits, and computes what
+Deformable DETR's module computes before calling the op:
+    locations = ref + offset / (W, H)                      2-d reference points (x, y)
+    locations = ref[:2] + offset / P * ref[2:] * 0.5       boxes (cx, cy, w, h)
+    weights = softmax over the L*P logits of a (query, head), in fp32
+Everything is returned in pixel units of the level: w = x * W - 0.5, h = y * H - 0.5.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+except Exception:
+    pass
+
+LOG2E = math.log2(math.e)
+
+
+def row_pointer(tensor: cute.Tensor, row, per_row: int, offset, length: int):
+    """Pointer to `length` contiguous elements at `offset` of row `row` of a row-major tensor whose
+    rows hold per_row elements; the index in 64 bits (N*Lq*M*L*P may exceed 2^31). Aligned to the
+    largest power of two (at most 16 bytes) that divides the length in bytes: rows and level offsets
+    are multiples of it."""
+    width = tensor.element_type.width // 8
+    index = cutlass.Int64(row) * per_row + offset
+    align = min(16, length * width & -length * width)
+    return cute.make_ptr(tensor.element_type, tensor.iterator.toint() + index * width, cute.AddressSpace.gmem,
+                         assumed_align=align)
+
+
+def load_row(tensor: cute.Tensor, row, per_row: int, offset, length: int):
+    """`length` elements of a row as an fp32 register vector."""
+    ptr = row_pointer(tensor, row, per_row, offset, length)
+    return cute.make_tensor(ptr, cute.make_layout(length)).load().to(cutlass.Float32)
+
+
+@dataclass(frozen=True)
+class QueryInputs:
+    """One thread's view of its query's inputs for one head (read only, so the DSL's branches need not
+    carry it).
+
+    source: ("smem", loc stage, weight stage, slot) or ("global", mLoc, mAttn, row) where row is the
+    (image, query, head) row index; ref: (mRef, image * Lq + query) for the fused kernel, else None;
+    softmax: fused, the logits' maximum (times log2 e) and the reciprocal of the sum of exponentials."""
+
+    L: int
+    P: int
+    fused: bool
+    ref_dims: int
+    source: tuple
+    ref: object
+    softmax: object
+
+    @property
+    def LP(self) -> int:
+        return self.L * self.P
+
+    @staticmethod
+    def create(num_levels: int, num_points: int, fused: bool, ref_dims: int, source, ref) -> "QueryInputs":
+        inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None)
+        if fused:
+            inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, inputs._softmax())
+        return inputs
+
+    def _raw_logit(self, k):
+        """Attention input k of the row (a weight, or a logit when fused) as fp32."""
+        _, sLoc, sAttn, slot = self.source
+        a = cute.make_tensor(sAttn.iterator + slot * self.LP + k, cute.make_layout(1)).load()
+        return a.to(cutlass.Float32)[0]
+
+    def _softmax(self):
+        """The logits' maximum (times log2 e) and the reciprocal of the sum of exponentials, once per
+        query."""
+        logits = []
+        if self.source[0] == "smem":
+            for k in range(self.LP):
+                logits.append(self._raw_logit(k) * LOG2E)
+        else:
+            _, _, mAttn, row = self.source
+            row_logits = load_row(mAttn, row, self.LP, 0, self.LP)
+            for k in range(self.LP):
+                logits.append(row_logits[k] * LOG2E)
+        top = logits[0]
+        for k in range(1, self.LP):
+            top = cute.arch.fmax(top, logits[k])
+        total = cutlass.Float32(0.0)
+        for k in range(self.LP):
+            total = total + cute.math.exp2(logits[k] - top, fastmath=True)
+        return top, 1.0 / total
+
+    def level(self, level: int, H, W):
+        """A function of the point: (w, h, a) of every point of one level, in pixels of the level."""
+        P = self.P
+        Wf, Hf = cutlass.Float32(W), cutlass.Float32(H)
+        if self.source[0] == "smem":
+            _, sLoc, sAttn, slot = self.source
+
+            def raw(point):
+                i = slot * (2 * self.LP) + (level * P + point) * 2
+                xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
+                return xy[0], xy[1], self._raw_logit(level * P + point)
+        else:
+            _, mLoc, mAttn, row = self.source
+            xys = load_row(mLoc, row, 2 * self.LP, level * 2 * P, 2 * P)
+            attn = load_row(mAttn, row, self.LP, level * P, P)
+
+            def raw(point):
+                return xys[2 * point], xys[2 * point + 1], attn[point]
+
+        if not self.fused:
+            def unfused(point):
+                x, y, a = raw(point)
+                return x * Wf - 0.5, y * Hf - 0.5, a
+            return unfused
+
+        mRef, ref_row = self.ref
+        ref = load_row(mRef, ref_row, self.L * self.ref_dims, level * self.ref_dims, self.ref_dims)
+        # Pixel position of the reference point, and of one unit of offset.
+        base_w = ref[0] * Wf - 0.5
+        base_h = ref[1] * Hf - 0.5
+        scale_w, scale_h = cutlass.Float32(1.0), cutlass.Float32(1.0)
+        if self.ref_dims == 4:
+            scale_w = ref[2] * (0.5 / P) * Wf
+            scale_h = ref[3] * (0.5 / P) * Hf
+        top, inv_total = self.softmax
+
+        def fused(point):
+            dx, dy, logit = raw(point)
+            a = cute.math.exp2(logit * LOG2E - top, fastmath=True) * inv_total
+            if self.ref_dims == 4:
+                return base_w + dx * scale_w, base_h + dy * scale_h, a
+            return base_w + dx, base_h + dy, a
+        return fused

@@ -1,0 +1,358 @@
+"""Torch glue for the Hopper kernels: which kernel and configuration a call runs, the compile cache (in
+memory and on disk), and the launch.
+
+    msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                       attention_logits)
+
+take validated CUDA tensors on an sm_90 device (level tables on value's device) and return the
+(N, Lq, M*D) output in value's dtype, launched on the current stream of value's device. Shapes the
+tiled kernel takes (head rows of whole 16-byte vectors, at most 5 levels and 16 points) run it; every
+other shape runs the generic kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.runtime
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    _DSL_ERROR = None
+except Exception as exc:  # the package works without the DSL, through the reference path
+    _DSL_ERROR = exc
+
+from . import tile_scheduler
+from .config import ITEMSIZE, TARGET_ARCH, KernelConfig, tiled_kernel_fits
+from .generic import GenericConfig
+
+TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
+TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2, packed=True)
+# Launch knobs: the share of L2 that one round of the schedule may spread over (0: one round), and
+# the shortest range a cluster takes in a round, in tiles per group.
+WINDOW_L2_FRACTION = 0.5
+MIN_TILES_PER_GROUP = 2
+
+
+def available() -> bool:
+    """True when the CuTe kernels can run on this install (the DSL imports)."""
+    return _DSL_ERROR is None
+
+
+def check_supported(value: torch.Tensor) -> None:
+    """Raise ValueError naming the argument where no Hopper kernel runs this input."""
+    if value.dtype not in TORCH_TO_NAME:
+        raise ValueError(f"cute_deform: value: dtype {value.dtype} is not supported; expected float32, float16 or bfloat16")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Compile cache
+# ----------------------------------------------------------------------------------------------------
+_compiled: dict = {}
+
+
+def _dsl(name: str):
+    return {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[name]
+
+
+def _row_major(dtype, shape, align=None):
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)), assumed_align=align)
+
+
+def _fake_args(cfg):
+    """Fake tensors with symbolic N, S, Lq and grid: one compiled kernel serves every size."""
+    n, s, lq, grid = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    M, L, P, D = cfg.num_heads, cfg.num_levels, cfg.num_points, cfg.head_dim
+    vdt, ldt, adt = _dsl(cfg.value_dtype), _dsl(cfg.loc_dtype), _dsl(cfg.attn_dtype)
+    ref = _row_major(_dsl(cfg.ref_dtype), (n, lq, L, cfg.ref_dims), 8) if cfg.fused else None
+    if isinstance(cfg, GenericConfig):
+        args = [
+            _row_major(vdt, (n, s, M, D), cfg.value_align),
+            _row_major(cutlass.Int64, (L, 2)),
+            _row_major(cutlass.Int64, (L,)),
+            _row_major(ldt, (n, lq, M, L, P, 2), 4),
+            _row_major(adt, (n, lq, M, L, P), 2),
+            ref if cfg.fused else _row_major(ldt, (n, lq, M, L, P, 2), 4),
+            _row_major(vdt, (n, lq, M * D), cfg.value_align),
+        ]
+        return args + [cutlass.Int32(1)]
+    args = [
+        _row_major(vdt, (n, s, M, D), 16),
+        _row_major(cutlass.Int64, (L, 2)),
+        _row_major(cutlass.Int64, (L,)),
+        _row_major(ldt, (n, lq, M, L, P, 2), 16),
+        _row_major(adt, (n, lq, M, L, P), 16),
+        ref if cfg.fused else _row_major(ldt, (n, lq, M, L, P, 2), 16),
+        _row_major(vdt, (n, lq, M * D), 16),
+        _row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128),
+        _row_major(vdt, (D,), 16),
+    ]
+    return args + [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0)]
+
+
+def compile_kernel(cfg, extra_options: str = ""):
+    """Compile one static configuration. Needs no GPU: with CUTE_DSL_ARCH=sm_90a it compiles anywhere,
+    and extra_options="--keep-ptx --dump-dir=DIR" writes the PTX."""
+    if isinstance(cfg, GenericConfig):
+        from .generic import MSDAGeneric as Kernel
+    else:
+        from .kernel import MSDAForward as Kernel
+    return cute.compile(
+        Kernel(cfg), *_fake_args(cfg), make_fake_stream(use_tvm_ffi_env_stream=True),
+        options=f"--enable-tvm-ffi --gpu-arch={TARGET_ARCH} {extra_options}".strip(),
+    )
+
+
+def cache_dir() -> Path | None:
+    """Where compiled kernels are kept between processes: $CUTE_DEFORM_CACHE_DIR, else
+    $XDG_CACHE_HOME/cute_deform (~/.cache/cute_deform). CUTE_DEFORM_CACHE_DIR=off (or empty) disables it."""
+    configured = os.environ.get("CUTE_DEFORM_CACHE_DIR")
+    if configured is None:
+        return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cute_deform"
+    if configured.strip().lower() in ("", "0", "off", "none", "false"):
+        return None
+    return Path(configured)
+
+
+_SOURCE_DIGEST = None
+
+
+def _source_digest() -> bytes:
+    """Every module of this package: a change to any of them is a new kernel."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.read_bytes())
+        _SOURCE_DIGEST = digest.digest()
+    return _SOURCE_DIGEST
+
+
+def cache_key(cfg) -> str:
+    """Changes with the configuration, the kernels' source, the DSL version and the target."""
+    text = type(cfg).__name__ + repr(dataclasses.astuple(cfg)) + cutlass.__version__ + TARGET_ARCH
+    return hashlib.sha256(_source_digest() + text.encode()).hexdigest()[:20]
+
+
+def _load_cached(path: Path, symbol: str):
+    try:
+        return getattr(cutlass.runtime.load_module(str(path), enable_tvm_ffi=True), symbol)
+    except Exception:
+        # A corrupt or stale entry (interrupted write, other DSL build): drop it and rebuild.
+        path.unlink(missing_ok=True)
+        return None
+
+
+def _store_cached(fn, path: Path, symbol: str) -> None:
+    """Write to a private file, then rename: concurrent processes never see a partial entry. A cache
+    that cannot be written is skipped, never an error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".o")
+        os.close(fd)
+    except OSError:
+        return
+    try:
+        fn.export_to_c(tmp, symbol)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def kernel_for(cfg):
+    """The compiled kernel for a configuration: from memory, else from the disk cache, else compiled
+    (and stored)."""
+    fn = _compiled.get(cfg)
+    if fn is not None:
+        return fn
+    directory = cache_dir()
+    if directory is not None:
+        key = cache_key(cfg)
+        path, symbol = directory / f"msda_{key}.o", f"msda_{key}"
+        if path.exists():
+            fn = _load_cached(path, symbol)
+    if fn is None:
+        fn = compile_kernel(cfg)
+        if directory is not None:
+            _store_cached(fn, path, symbol)
+    _compiled[cfg] = fn
+    return fn
+
+
+def _compile_into_cache(cfg) -> str:
+    kernel_for(cfg)
+    return repr(cfg)
+
+
+def launch_variants(cfg) -> list:
+    """The configurations a launch with cfg may run: the tiled kernel switches to the L1-first gather
+    order where ranges are whole segments (_launch)."""
+    if isinstance(cfg, KernelConfig) and not cfg.l1_first and cfg.fine_gather == "ldg":
+        return [cfg, dataclasses.replace(cfg, l1_first=True)]
+    return [cfg]
+
+
+def precompile(configs, jobs: int | None = None) -> None:
+    """Compile configurations, and the variants their launches may pick, into the disk cache in parallel
+    processes (each compile is single threaded); later processes, and this one, load them in ms."""
+    import concurrent.futures
+    import multiprocessing
+
+    variants = [v for cfg in configs for v in launch_variants(cfg)]
+    todo = [cfg for cfg in dict.fromkeys(variants) if cfg not in _compiled]
+    if cache_dir() is None or len(todo) <= 1:
+        for cfg in todo:
+            kernel_for(cfg)
+        return
+    jobs = jobs or max(1, min(len(todo), (os.cpu_count() or 2)))
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        list(pool.map(_compile_into_cache, todo))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations and launch plans
+# ----------------------------------------------------------------------------------------------------
+def config_for(value, loc, attn, ref=None, **tuning):
+    """The configuration a call runs: the tiled kernel where it takes the shape, else the generic one."""
+    N, S, M, D = value.shape
+    L, P = loc.shape[3], loc.shape[4]
+    names = dict(value_dtype=TORCH_TO_NAME[value.dtype], loc_dtype=TORCH_TO_NAME[loc.dtype],
+                 attn_dtype=TORCH_TO_NAME[attn.dtype], num_heads=M, num_levels=L, num_points=P, head_dim=D)
+    if ref is not None:
+        names.update(fused=True, ref_dtype=TORCH_TO_NAME[ref.dtype], ref_dims=ref.shape[-1])
+    if tiled_kernel_fits(value.element_size(), D, L, P) and not tuning.pop("generic", False):
+        return KernelConfig(**names, **{**TUNING, **tuning})
+    return GenericConfig(**names)
+
+
+_sm_props: dict = {}
+
+
+def _device_props(index: int):
+    props = _sm_props.get(index)
+    if props is None:
+        p = torch.cuda.get_device_properties(index)
+        props = _sm_props[index] = (p.multi_processor_count, p.L2_cache_size)
+    return props
+
+
+@dataclass
+class _LaunchPlan:
+    """What a call needs besides the tensors, worked out once per static key."""
+
+    fn: object
+    cfg: object
+    max_grid: int
+    l2_bytes: int
+    l1_first_plan: "_LaunchPlan | None" = None
+
+
+_plans: dict = {}
+
+
+def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
+    key = (value.dtype, loc.dtype, attn.dtype, None if ref is None else (ref.dtype, ref.shape[-1]),
+           value.shape[2], value.shape[3], loc.shape[3], loc.shape[4], value.get_device(),
+           tuple(sorted(tuning.items())) if tuning else ())
+    plan = _plans.get(key)
+    if plan is None:
+        cfg = config_for(value, loc, attn, ref, **tuning)
+        sms, l2 = _device_props(value.get_device())
+        per_sm = cfg.ctas_per_sm if isinstance(cfg, KernelConfig) else 1
+        plan = _LaunchPlan(kernel_for(cfg), cfg, sms * per_sm, l2)
+        _plans[key] = plan
+    return plan
+
+
+_zero_vectors: dict = {}
+
+
+def _zeros(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    key = (D, dtype, device)
+    if key not in _zero_vectors:
+        _zero_vectors[key] = torch.zeros(D, dtype=dtype, device=device)
+    return _zero_vectors[key]
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _as_table(t: torch.Tensor, device) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.device == device and t.is_contiguous():
+        return t
+    return t.to(device=device, dtype=torch.int64).contiguous()
+
+
+def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
+    """The op's forward on validated CUDA tensors of an sm_90 device."""
+    return _on_device(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, None, tuning)
+
+
+def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                       attention_logits, **tuning):
+    """Deformable DETR's sampling (locations from reference points and offsets, softmax of the logits)
+    and the forward in one kernel, on validated CUDA tensors of an sm_90 device."""
+    return _on_device(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits, reference_points,
+                      tuning)
+
+
+def _on_device(value, shapes, starts, loc, attn, ref, tuning):
+    index = value.get_device()
+    if index == torch.cuda.current_device():
+        return _launch(value, shapes, starts, loc, attn, ref, tuning)
+    with torch.cuda.device(index):
+        return _launch(value, shapes, starts, loc, attn, ref, tuning)
+
+
+def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float):
+    """The tile schedule of one launch of the tiled kernel (tile_scheduler.plan)."""
+    blocks = -(-Lq // cfg.queries_per_tile)
+    clusters = grid // cfg.cluster_size
+    slice_bytes = S * cfg.head_dim * cfg.itemsize
+    return tile_scheduler.plan(
+        N * cfg.num_heads * blocks, blocks, clusters, slice_bytes, int(l2_bytes * window_fraction),
+        MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2)
+
+
+def _launch(value, shapes, starts, loc, attn, ref, tuning):
+    N, S, M, D = value.shape
+    Lq = loc.shape[1]
+    window = tuning.pop("window_fraction", WINDOW_L2_FRACTION) if tuning else WINDOW_L2_FRACTION
+    plan = _plan_for(value, loc, attn, ref, tuning)
+    device = value.device
+    out = torch.empty((N, Lq, M * D), dtype=value.dtype, device=device)
+    if out.numel() == 0:
+        return out
+    cfg = plan.cfg
+    shapes, starts = _as_table(shapes, device), _as_table(starts, device)
+    value, loc, attn = _aligned(value), _aligned(loc), _aligned(attn)
+    third = _aligned(ref) if ref is not None else loc
+    if isinstance(cfg, GenericConfig):
+        plan.fn(value, shapes, starts, loc, attn, third, out, plan.max_grid * cfg.ctas_per_sm)
+        return out
+    blocks = -(-Lq // cfg.queries_per_tile)
+    grid = min(N * M * blocks, plan.max_grid)
+    grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
+    schedule = schedule_for(cfg, N, Lq, S, grid, plan.l2_bytes, window)
+    if schedule.whole and cfg.fine_gather == "ldg" and "l1_first" not in tuning:
+        # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
+        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
+        if plan.l1_first_plan is None:
+            plan.l1_first_plan = _plan_for(value, loc, attn, ref, {**tuning, "l1_first": True})
+        plan = plan.l1_first_plan
+    maps = torch.empty((grid, cfg.map_slots, 16), dtype=torch.int64, device=device)
+    plan.fn(value, shapes, starts, loc, attn, third, out, maps, _zeros(D, value.dtype, device), grid,
+            schedule.rounds, int(schedule.whole))
+    return out

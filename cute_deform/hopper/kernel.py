@@ -1,0 +1,551 @@
+"""The tiled Hopper kernel: `MSDAForward`, one instance per KernelConfig.
+
+A tile is G queries of one (image, head); the 128 threads of a group's four consumer warps cover it,
+T threads a query, each thread one 16-byte vector of channels. A CTA has several groups (a producer
+warp and four consumer warps each) that share a staging buffer. The tile scheduler hands each cluster
+ranges of tiles; within a range, the coarse levels of each segment's (image, head) that fit are staged
+whole in shared memory by TMA (multicast to both CTAs of a pair), and sampled from there. The other
+levels are gathered per sample: by 16-byte loads through L1 (the default), or by one TMA box of
+2x2 pixels x D channels per sample through a ring of stages (fine_gather="tma", whose out-of-bounds
+zero fill is the original kernel's zero padding). Each group's producer warp prefetches every tile's
+locations and weights (or, fused, offsets and logits) with two TMA boxes into its ring, ahead of the
+consumers. Consumers accumulate every level and point of a query in fp32 registers and write each
+output row once.
+
+Level sizes may live on the GPU, so the host never reads them. Staging boxes and input boxes need no
+level sizes; the per-sample box maps do, and each CTA patches them on the device (tensormap.replace)
+into its own slot of a small workspace. A level table that does not fit in value makes the output NaN.
+"""
+from __future__ import annotations
+
+import math
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.memory
+    from cutlass.cute.nvgpu import cpasync
+    from cutlass.experimental import primitives as prims
+    from cutlass.experimental.cuda import tensor_map
+    from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
+except Exception:
+    pass
+
+from . import pipeline
+from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
+from .inputs import QueryInputs, load_row, row_pointer
+from .sampling import Bilinear, global_corners, staged_corners
+from .tile_scheduler import TileScheduler
+
+DTYPES = {}
+try:
+    DTYPES = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+except NameError:
+    pass
+
+
+class MSDAForward:
+    def __init__(self, config: KernelConfig):
+        self.cfg = config
+        self.M, self.L, self.P, self.D = config.num_heads, config.num_levels, config.num_points, config.head_dim
+        self.LP = self.L * self.P
+        self.C = config.channels_per_thread
+        self.T = config.threads_per_query
+        self.G = config.queries_per_tile
+        self.stages = config.num_stages
+        self.groups = config.num_groups
+        self.cluster = config.cluster_size
+        self.stage_pixels = config.stage_pixels
+        self.boxes = config.fine_gather == "tma"
+        self.prefetch = config.prefetch_inputs
+        self.fused = config.fused
+        self.value_dtype = DTYPES[config.value_dtype]
+        self.loc_dtype = DTYPES[config.loc_dtype]
+        self.attn_dtype = DTYPES[config.attn_dtype]
+        self.bilinear = Bilinear(self.value_dtype, self.C, config.packed_math)
+        self.consumer_threads = CONSUMER_WARPS * 32
+        self.threads = config.threads
+
+    # ------------------------------------------------------------------------------------------------
+    # Host side: TMA atoms, shared storage, launch
+    # ------------------------------------------------------------------------------------------------
+    def input_atom(self, tensor: cute.Tensor, per_query: int):
+        """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
+        box (per_query, 1, G, 1); rows past Lq are zero filled."""
+        Lq, N = tensor.shape[1], tensor.shape[0]
+        rows = cute.make_tensor(tensor.iterator, cute.make_layout(
+            (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
+        box = (per_query, 1, self.G, 1)
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
+
+    @cute.jit
+    def __call__(
+        self,
+        mValue: cute.Tensor,  # (N, S, M, D)
+        mShapes: cute.Tensor,  # (L, 2) int64, (H, W)
+        mStarts: cute.Tensor,  # (L,) int64
+        mLoc: cute.Tensor,  # (N, Lq, M, L, P, 2): locations, or fused: sampling offsets
+        mAttn: cute.Tensor,  # (N, Lq, M, L, P): weights, or fused: attention logits
+        mRef: cute.Tensor,  # fused: (N, Lq, L, 2 or 4) reference points (unfused: unused)
+        mOut: cute.Tensor,  # (N, Lq, M*D): the op's output as is
+        mDesc: cute.Tensor,  # (grid, map_slots, 16) int64: tensor-map slots of each CTA
+        mZero: cute.Tensor,  # (D,) zeros: where an out-of-level corner of an L1 gather reads
+        grid_size: cutlass.Int32,
+        rounds: cutlass.Int32,
+        whole: cutlass.Int32,
+        stream,
+    ):
+        N, S = mValue.shape[0], mValue.shape[1]
+        Lq = mLoc.shape[1]
+        M, D, e = self.M, self.D, self.cfg.itemsize
+        # Staging: the value as (D, M, S, N), boxes of STAGE_BOX_PIXELS pixels of one head.
+        pixels = cute.make_tensor(mValue.iterator, cute.select(mValue.layout, mode=[3, 2, 1, 0]))
+        stage_op = (cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster > 1
+                    else cpasync.CopyBulkTensorTileG2SOp())
+        stage_box = (D, 1, STAGE_BOX_PIXELS, 1)
+        stage_atom, stage_tma = cpasync.make_tiled_tma_atom(stage_op, pixels, cute.make_layout(stage_box), stage_box)
+        loc_atom, loc_tma, attn_atom, attn_tma = stage_atom, stage_tma, stage_atom, stage_tma
+        if cutlass.const_expr(self.prefetch):
+            loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP)
+            attn_atom, attn_tma = self.input_atom(mAttn, self.LP)
+        # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
+        # address and sizes every CTA patches on the device.
+        box_template = None
+        if cutlass.const_expr(self.boxes):
+            units = M * D * e // 16
+            box_template = tensor_map.create_tensor_map_tiled(
+                global_address=mValue.iterator.toint(),
+                dtype=self.value_dtype,
+                global_dims=[D, M, 2, 2, N],
+                global_strides=[D * e // 16, units, 2 * units, S * units],
+                box_dims=[D, 1, 2, 2, 1],
+            )
+
+        cfg = self.cfg
+
+        @cute.struct
+        class SharedStorage:
+            input_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
+            box_barriers: cute.struct.MemRange[cutlass.Int64, 2 * self.stages * self.groups]
+            staged_full: cute.struct.MemRange[cutlass.Int64, 2]
+            levels: cute.struct.MemRange[cutlass.Int64, 4 * (self.L + 1)]
+            maps: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 16 * cfg.map_slots], 128]
+            box_ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, cfg.box_ring_elems], 128]
+            staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
+            loc_ring: cute.struct.Align[
+                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * cfg.input_slots], 128]
+            attn_ring: cute.struct.Align[
+                cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * cfg.input_slots], 128]
+
+        self.shared_storage = SharedStorage
+        num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
+        self.kernel(stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mShapes,
+                    mStarts, mLoc, mAttn, mRef, mOut, mDesc, mZero, num_tiles, rounds, whole).launch(
+            grid=[grid_size, 1, 1],
+            block=[self.threads, 1, 1],
+            cluster=[self.cluster, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
+               mValue: cute.Tensor, mShapes: cute.Tensor, mStarts: cute.Tensor, mLoc: cute.Tensor,
+               mAttn: cute.Tensor, mRef: cute.Tensor, mOut: cute.Tensor, mDesc: cute.Tensor, mZero: cute.Tensor,
+               num_tiles: cutlass.Int64, rounds: cutlass.Int32, whole: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        D = self.D
+
+        input_rings = None
+        if cutlass.const_expr(self.prefetch):
+            input_rings = pipeline.GroupRings.create(storage.input_barriers.data_ptr(), self.groups, self.stages,
+                                              self.cfg.input_bytes)
+        box_rings = None
+        if cutlass.const_expr(self.boxes):
+            box_rings = pipeline.GroupRings.create(storage.box_barriers.data_ptr(), self.groups, self.stages,
+                                            self.G * self.cfg.box_bytes)
+        staging = pipeline.StagingBarrier(storage.staged_full.data_ptr())
+        staging.init(warp)
+        if warp == 0:
+            cpasync.prefetch_descriptor(stage_atom)
+            if cutlass.const_expr(self.prefetch):
+                cpasync.prefetch_descriptor(loc_atom)
+                cpasync.prefetch_descriptor(attn_atom)
+        # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
+        sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
+        if tidx < D:
+            sStaged[self.stage_pixels * D + tidx] = self.value_dtype(0.0)
+
+        # Which levels are staged, and where: coarsest first while they fit. The table goes to shared
+        # memory: consumers read it where they need it rather than holding ~20 registers of it.
+        sizes, starts, levels_ok = self.level_table(mShapes, mStarts, mValue.shape[1])
+        staged = [cutlass.Boolean(False)] * self.L
+        offsets = [cutlass.Int32(0)] * self.L
+        used = cutlass.Int32(0)
+        for level in cutlass.range_constexpr(self.L - 1, -1, -1):
+            H, W = sizes[level]
+            px = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+            fits = used + px <= self.stage_pixels
+            staged[level] = fits
+            offsets[level] = used
+            used = used + cutlass.select_(fits, px, 0)
+        sLevels = self.level_table_in(storage)
+        if tidx == 0:
+            for level in cutlass.range_constexpr(self.L):
+                H, W = sizes[level]
+                sLevels[level, 0] = cutlass.Int64(H)
+                sLevels[level, 1] = cutlass.Int64(W)
+                sLevels[level, 2] = starts[level]
+                sLevels[level, 3] = cutlass.Int64(cutlass.select_(staged[level], offsets[level], -1))
+            sLevels[self.L, 0] = cutlass.Int64(cutlass.select_(levels_ok, 1, 0))
+        cute.arch.mbarrier_init_fence()
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.barrier()
+
+        Lq = mLoc.shape[1]
+        blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
+        clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
+        scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M)
+        rank = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster > 1):
+            rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
+
+        consumer_warps = self.groups * CONSUMER_WARPS
+        if warp >= consumer_warps:
+            self.producer(warp - consumer_warps, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
+                          box_template, mValue, mLoc, mDesc, storage, input_rings, box_rings, staging, scheduler,
+                          rounds, sizes, starts, staged, offsets, used, rank, bidx)
+        else:
+            g = warp // CONSUMER_WARPS
+            self.consumer(g, mValue, mLoc, mAttn, mRef, mOut, mZero, storage, input_rings, box_rings, staging,
+                          scheduler, rounds, rank, tidx - g * self.consumer_threads)
+        if cutlass.const_expr(self.cluster > 1):
+            # Neither CTA of a pair exits while the other may still multicast into it.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def level_table(self, mShapes: cute.Tensor, mStarts: cute.Tensor, S):
+        """(H, W) and first pixel of every level, read on the device. A level that does not fit in value
+        (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) is
+        replaced by a 1x1 level at pixel 0, so nothing is read out of bounds, and levels_ok turns False:
+        the outputs are then written as NaN rather than as a silently wrong answer."""
+        sizes, starts = [], []
+        levels_ok = cutlass.Boolean(True)
+        one = cutlass.Int64(1)
+        for level in range(self.L):
+            H = cutlass.Int64(mShapes[level, 0])
+            W = cutlass.Int64(mShapes[level, 1])
+            start = cutlass.Int64(mStarts[level])
+            ok = (H >= one) & (W >= one) & (H <= S) & (W <= S) & (start >= 0) & (start <= S - H * W)
+            levels_ok = levels_ok & ok
+            sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
+            starts.append(cutlass.select_(ok, start, cutlass.Int64(0)))
+        return sizes, starts, levels_ok
+
+    def level_table_in(self, storage):
+        """The level table in shared memory: a row (H, W, first pixel, staging offset or -1) per level,
+        then a row whose first entry is 1 when every level fits in value."""
+        return storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
+
+    def input_rings_of(self, storage):
+        cfg = self.cfg
+        return (storage.loc_ring.get_tensor(cute.make_layout((cfg.loc_stage_elems, cfg.input_slots))),
+                storage.attn_ring.get_tensor(cute.make_layout((cfg.attn_stage_elems, cfg.input_slots))))
+
+    # ------------------------------------------------------------------------------------------------
+    # Producer warp: staging (group 0), the tile inputs, and with fine_gather="tma" the footprint boxes
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def producer(self, g, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
+                 mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
+                 used, rank, bidx):
+        box_maps = []
+        if cutlass.const_expr(self.boxes):
+            box_maps = self.publish_box_maps(g, box_template, mValue, mDesc, storage, sizes, starts, bidx)
+        sLoc, sAttn = self.input_rings_of(storage)
+        sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * self.D))
+        input_state = input_rings.producer_state(g) if cutlass.const_expr(self.prefetch) else None
+        box_state = box_rings.producer_state(g) if cutlass.const_expr(self.boxes) else None
+        segment = cutlass.Int32(0)
+        for round_ in cutlass.range(rounds, unroll=1):
+            t, t_end = scheduler.range_of(round_)
+            while t < t_end:
+                nm, seg_end, n, m = scheduler.segment_at(t, t_end)
+                pipeline.segment_sync(self.cluster)
+                if g == 0:
+                    self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
+                                      n, m, rank)
+                first = t + rank * self.groups + g
+                for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                    q0 = scheduler.first_query(tile, nm, self.G)
+                    if cutlass.const_expr(self.prefetch):
+                        input_state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
+                                                       input_rings, input_state, n, m, q0)
+                    if cutlass.const_expr(self.boxes):
+                        box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes, staged, n,
+                                                    m, q0)
+                t = seg_end
+                segment += 1
+        if cutlass.const_expr(self.prefetch):
+            input_rings.drain(input_state)
+        if cutlass.const_expr(self.boxes):
+            box_rings.drain(box_state)
+        # ... and the last staging has landed: a group with no tile in the last segment never waits for
+        # it, and a CTA must not exit with TMA (or a peer's multicast) still writing into it.
+        if g == 0 and segment > 0:
+            staging.wait(segment - 1)
+
+    @cute.jit
+    def stage_levels(self, stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used, n, m, rank):
+        """Load the staged levels of (image n, head m) whole; in a cluster each CTA loads every other
+        box and multicasts it to both."""
+        lane = cute.arch.lane_idx()
+        D = self.D
+        staging.expect(used * (D * self.cfg.itemsize))
+        box = (D, 1, STAGE_BOX_PIXELS, 1)
+        for level in cutlass.range_constexpr(self.L):
+            if staged[level]:
+                H, W = sizes[level]
+                boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+                for b in cutlass.range(lane * self.cluster + rank, boxes, 32 * self.cluster, unroll=1):
+                    pixel = cutlass.Int32(starts[level]) + b * STAGE_BOX_PIXELS
+                    src = cute.local_tile(cute.domain_offset((0, m, pixel, n), stage_tma), box, (0, 0, 0, 0))
+                    dst = cute.make_tensor(sStaged.iterator + (offsets[level] + b * STAGE_BOX_PIXELS) * D,
+                                           cute.make_layout(box))
+                    tSs, tSg = cpasync.tma_partition(stage_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
+                                                     cute.group_modes(src, 0, 4))
+                    if cutlass.const_expr(self.cluster > 1):
+                        cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
+                                  mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+                    else:
+                        cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
+
+    @cute.jit
+    def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, n, m, q0):
+        """One tile's rows of locations and weights (or offsets and logits): two TMA boxes."""
+        full = rings.acquire(state)
+        block = q0 // self.G
+        self.load_rows(loc_atom, loc_tma, sLoc[None, state.index], 2 * self.LP, full, n, m, block)
+        self.load_rows(attn_atom, attn_tma, sAttn[None, state.index], self.LP, full, n, m, block)
+        state.advance(rings.groups)
+        return state
+
+    @cute.jit
+    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, block):
+        box = (per_query, 1, self.G, 1)
+        src = cute.local_tile(tma, box, (0, m, block, n))
+        dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
+        tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
+                                         cute.group_modes(src, 0, 4))
+        cute.copy(atom, tIg, tIs, tma_bar_ptr=full)
+
+    @cute.jit
+    def publish_box_maps(self, g, box_template, mValue, mDesc, storage, sizes, starts, bidx):
+        """Each group patches its own box map of every level (address, W, H, row stride) in shared memory
+        and publishes it to its global slot with a proxy fence (TMA reads maps through the tensormap
+        proxy)."""
+        M, D, e = self.M, self.D, self.cfg.itemsize
+        F = prims.TensormapField
+        sMaps = storage.maps.get_tensor(cute.make_layout((16, self.cfg.map_slots)))
+        lane = cute.arch.lane_idx()
+        maps = []
+        for level in cutlass.range_constexpr(self.L):
+            H, W = sizes[level]
+            slot = self.L * g + level
+            words = cutlass.Pointer(box_template.get_ptr(), dtype=cutlass.Int64)
+            if lane < 16:
+                sMaps[lane, slot] = (words + lane).load()
+            cute.arch.sync_warp()
+            smem_map = cutlass.Pointer(sMaps[None, slot].iterator.llvm_ptr, dtype=cutlass.Int64)
+            base = mValue.iterator.toint() + starts[level] * (M * D * e)
+            with cute.arch.elect_one():
+                prims.tensormap_replace(F.GLOBAL_ADDRESS, smem_map, new_value=base)
+                prims.tensormap_replace(F.GLOBAL_DIM, smem_map, new_value=W, ord=2)
+                prims.tensormap_replace(F.GLOBAL_DIM, smem_map, new_value=H, ord=3)
+                prims.tensormap_replace(F.GLOBAL_STRIDE, smem_map, new_value=cutlass.Int64(W) * (M * D * e), ord=2)
+            cute.arch.sync_warp()
+            manager = TensorMapManager(TensorMapUpdateMode.SMEM, TENSORMAP_BYTES)
+            gmem_map = manager.get_tensormap_ptr(mDesc[bidx, slot, None].iterator)
+            cpasync.cp_fence_tma_desc_release(gmem_map, sMaps[None, slot].iterator)
+            cpasync.fence_tma_desc_acquire(gmem_map)
+            maps.append(manager.get_tensormap_ptr(mDesc[bidx, slot, None].iterator, cutlass.AddressSpace.generic))
+        return maps
+
+    @cute.jit
+    def load_boxes(self, box_maps, rings, state, mLoc, storage, sizes, staged, n, m, q0):
+        """fine_gather="tma": for every unstaged level, one vector load of each query's locations, then
+        per point one 2x2xD box per query (lane j loads queries j, j + 32, ...) into a ring stage."""
+        lane = cute.arch.lane_idx()
+        Lq = mLoc.shape[1]
+        D = self.D
+        sBoxes = storage.box_ring.get_tensor(cute.make_layout(self.cfg.box_ring_elems))
+        per_lane = (self.G + 31) // 32
+        for level in cutlass.range_constexpr(self.L):
+            if not staged[level]:
+                H, W = sizes[level]
+                corners = []
+                for j in cutlass.range_constexpr(per_lane):
+                    q = q0 + lane + 32 * j
+                    row = (cutlass.Int64(n) * Lq + cutlass.min(q, Lq - 1)) * self.M + m
+                    xys = load_row(mLoc, row, 2 * self.LP, level * 2 * self.P, 2 * self.P)
+                    for point in cutlass.range_constexpr(self.P):
+                        w = xys[2 * point] * cutlass.Float32(W) - 0.5
+                        h = xys[2 * point + 1] * cutlass.Float32(H) - 0.5
+                        _, x0, y0, _, _ = self.bilinear.footprint(w, h, H, W)
+                        corners.append((cutlass.select_(q >= Lq, -2, x0), cutlass.select_(q >= Lq, -2, y0)))
+                for point in cutlass.range_constexpr(self.P):
+                    full = rings.acquire(state)
+                    stage_elems = self.G * 4 * D
+                    for j in cutlass.range_constexpr(per_lane):
+                        slot = lane + 32 * j
+                        if slot < self.G:
+                            x0, y0 = corners[j * self.P + point]
+                            dst = sBoxes.iterator + state.index * stage_elems + slot * (4 * D)
+                            prims.cp_async_bulk_tensor_shared_cta_global(
+                                dst, box_maps[level], [cutlass.Int32(0), m, x0, y0, n], full)
+                    state.advance(rings.groups)
+        return state
+
+    # ------------------------------------------------------------------------------------------------
+    # Consumer warps
+    # ------------------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(self, g, mValue, mLoc, mAttn, mRef, mOut, mZero, storage, input_rings, box_rings, staging,
+                 scheduler, rounds, rank, tidx):
+        Lq = mLoc.shape[1]
+        sLevels = self.level_table_in(storage)
+        sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * self.D))
+        sLoc, sAttn = self.input_rings_of(storage)
+        slot = tidx // self.T
+        chunk = tidx % self.T
+        # Where T does not divide 128, the threads past the tile's last query idle; they still take
+        # part in the rings' protocol, and with per-sample boxes (whose waits and releases are per
+        # point) they follow the last query's work, reading its row.
+        active = True
+        read_slot = slot
+        if cutlass.const_expr(self.consumer_threads % self.T != 0):
+            active = slot < self.G
+            read_slot = cutlass.min(slot, self.G - 1)
+        gathers = True if cutlass.const_expr(self.boxes) else active
+        input_state = input_rings.consumer_state(g) if cutlass.const_expr(self.prefetch) else None
+        box_state = box_rings.consumer_state(g) if cutlass.const_expr(self.boxes) else None
+        segment = cutlass.Int32(0)
+        for round_ in cutlass.range(rounds, unroll=1):
+            t, t_end = scheduler.range_of(round_)
+            while t < t_end:
+                nm, seg_end, n, m = scheduler.segment_at(t, t_end)
+                pipeline.segment_sync(self.cluster)
+                first = t + rank * self.groups + g
+                for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                    q0 = scheduler.first_query(tile, nm, self.G)
+                    q = q0 + slot
+                    qc = cutlass.min(q0 + read_slot, Lq - 1)
+                    acc = cute.make_rmem_tensor(cute.make_layout(self.C), cutlass.Float32)
+                    acc.fill(0.0)
+                    row = (cutlass.Int64(n) * Lq + qc) * self.M + m
+                    source = ("global", mLoc, mAttn, row)
+                    if cutlass.const_expr(self.prefetch):
+                        input_rings.wait(input_state)
+                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot)
+                    ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
+                    if gathers:
+                        inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref)
+                        box_state = self.gather_tile(acc, inputs, mValue, mZero, sStaged, sLevels, staging, box_rings,
+                                                     box_state, storage, segment, n, m, read_slot, chunk)
+                    if cutlass.const_expr(self.prefetch):
+                        input_rings.release(input_state)
+                        input_state.advance(input_rings.groups)
+                    if active and q < Lq:
+                        if sLevels[self.L, 0] == 0:
+                            acc.fill(cutlass.Float32(float("nan")))
+                        out = cute.make_tensor(row_pointer(mOut, cutlass.Int64(n) * Lq + q, self.M * self.D,
+                                                           m * self.D + chunk * self.C, self.C),
+                                               cute.make_layout(self.C))
+                        out.store(acc.load().to(mOut.element_type))
+                t = seg_end
+                segment += 1
+
+    @cute.jit
+    def gather_tile(self, acc, inputs, mValue, mZero, sStaged, sLevels, staging, box_rings, box_state, storage,
+                    segment, n, m, slot, chunk):
+        """Every level and point of this thread's query into acc. With L1 gathers the staged levels
+        come first (they need the staging to have landed), unless l1_first; with per-sample boxes the
+        staged levels overlap the boxes in flight."""
+        if cutlass.const_expr(self.boxes or not self.cfg.l1_first):
+            self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
+        if cutlass.const_expr(self.boxes):
+            box_state = self.gather_boxes(acc, inputs, sLevels, box_rings, box_state, storage, slot, chunk)
+        else:
+            for level in cutlass.range_constexpr(self.L):
+                H, W, start, offset = self.level_row(sLevels, level)
+                if offset < 0:
+                    self.gather_level_l1(acc, inputs, mValue, mZero, start, H, W, n, m, level, chunk)
+        if cutlass.const_expr(not self.boxes and self.cfg.l1_first):
+            self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
+        return box_state
+
+    def level_row(self, sLevels, level: int):
+        """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
+        return (cutlass.Int32(sLevels[level, 0]), cutlass.Int32(sLevels[level, 1]), sLevels[level, 2],
+                cutlass.Int32(sLevels[level, 3]))
+
+    @cute.jit
+    def gather_points(self, acc, points, H, W, top_left, corner):
+        for point in cutlass.range_constexpr(self.P):
+            w, h, a = points(point)
+            self.bilinear.sample(acc, w, h, a, H, W, top_left, corner)
+
+    @cute.jit
+    def gather_staged(self, acc, inputs, sStaged, sLevels, staging, segment, chunk):
+        """All points of the staged levels, from shared memory. Waits (once per segment, then free) for
+        the segment's staging to land."""
+        staging.wait(segment)
+        for level in cutlass.range_constexpr(self.L):
+            H, W, _, base = self.level_row(sLevels, level)
+            if base >= 0:
+                top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels)
+                self.gather_points(acc, inputs.level(level, H, W), H, W, top_left, corner)
+
+    @cute.jit
+    def gather_level_l1(self, acc, inputs, mValue, mZero, start, H, W, n, m, level: int, chunk):
+        """All points of one level straight from global memory with 16-byte loads, which L1 caches:
+        neighbouring queries of a tile read overlapping footprints."""
+        S = mValue.shape[1]
+        e = self.cfg.itemsize
+        pixel_bytes = self.M * self.D * e
+        base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
+                + (m * self.D + chunk * self.C) * e)
+        top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype)
+        self.gather_points(acc, inputs.level(level, H, W), H, W, top_left, corner)
+
+    @cute.jit
+    def gather_boxes(self, acc, inputs, sLevels, rings, state, storage, slot, chunk):
+        """fine_gather="tma": the unstaged levels' samples from the group's box ring, point by point."""
+        D, C = self.D, self.C
+        sBoxes = storage.box_ring.get_tensor(cute.make_layout(self.cfg.box_ring_elems))
+        stage_elems = self.G * 4 * D
+        for level in cutlass.range_constexpr(self.L):
+            H, W, _, offset = self.level_row(sLevels, level)
+            if offset < 0:
+                points = inputs.level(level, H, W)
+                for point in cutlass.range_constexpr(self.P):
+                    w, h, a = points(point)
+                    inside, _, _, lw, lh = self.bilinear.footprint(w, h, H, W)
+                    rings.wait(state)
+                    box = sBoxes.iterator + state.index * stage_elems + slot * (4 * D) + chunk * C
+                    corners = [self.bilinear.load(box + k * D) for k in range(4)]
+                    a = cutlass.select_(inside, a, cutlass.Float32(0.0))
+                    self.bilinear.accumulate(acc, a, self.bilinear.weights(lw, lh), corners)
+                    # Release after the loads are consumed: in-order issue means they completed.
+                    rings.release(state)
+                    state.advance(rings.groups)
+        return state

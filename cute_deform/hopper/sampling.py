@@ -1,0 +1,124 @@
+"""The per-sample arithmetic of a consumer thread: where a sample's 2x2 footprint lies, its bilinear
+weights, which corners lie in the level, and the weighted sum into the fp32 accumulator.
+
+The rule is the original Deformable-DETR kernel's: a sample at pixel position (w, h) adds nothing
+unless -1 < h < H and -1 < w < W (false for NaN); otherwise it adds
+    a * (w00 v[h0, w0] + w01 v[h0, w0+1] + w10 v[h0+1, w0] + w11 v[h0+1, w0+1])
+with a corner outside the level reading 0. A thread holds C channels of one query's head: each corner
+is one 16-byte vector load.
+"""
+from __future__ import annotations
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+except Exception:
+    pass
+
+
+class Bilinear:
+    def __init__(self, value_dtype, channels: int, packed: bool):
+        self.value_dtype = value_dtype
+        self.C = channels
+        # fp16/bf16: the four-corner sum in packed half arithmetic (HFMA2), then one fp32 FMA per
+        # channel into the accumulator: half the instructions of converting all four corners first.
+        self.packed = packed
+
+    @cute.jit
+    def footprint(self, w, h, H, W):
+        """(inside, x0, y0, lw, lh) of a sample at pixel position (w, h) (already minus 0.5). A skipped
+        sample gets the corner (-2, -2), wholly outside the level, and zero fractions, so its weights are
+        finite and its corners all read zeros."""
+        inside = h > -1.0 and h < cutlass.Float32(H) and w > -1.0 and w < cutlass.Float32(W)
+        fw = cute.math.floor(w)
+        fh = cute.math.floor(h)
+        x0 = cutlass.select_(inside, cutlass.Int32(fw), cutlass.Int32(-2))
+        y0 = cutlass.select_(inside, cutlass.Int32(fh), cutlass.Int32(-2))
+        lw = cutlass.select_(inside, w - fw, cutlass.Float32(0.0))
+        lh = cutlass.select_(inside, h - fh, cutlass.Float32(0.0))
+        return inside, x0, y0, lw, lh
+
+    def weights(self, lw, lh):
+        """Bilinear weights of the corners (0,0), (0,1), (1,0), (1,1) as (dy, dx)."""
+        hw = 1.0 - lw
+        hh = 1.0 - lh
+        return hh * hw, hh * lw, lh * hw, lh * lw
+
+    def inside_corners(self, x0, y0, H, W):
+        """Whether the footprint's rows (y0, y0 + 1) and columns (x0, x0 + 1) lie in the level: a
+        coordinate is in [0, n) when it is below n as an unsigned number (4 compares, not 16)."""
+        Wu = cutlass.Uint32(W)
+        Hu = cutlass.Uint32(H)
+        cols = (cutlass.Uint32(x0) < Wu, cutlass.Uint32(x0 + 1) < Wu)
+        rows = (cutlass.Uint32(y0) < Hu, cutlass.Uint32(y0 + 1) < Hu)
+        return rows, cols
+
+    @cute.jit
+    def load(self, ptr):
+        """One corner's C channels, in value's dtype."""
+        return cute.make_tensor(ptr, cute.make_layout(self.C)).load()
+
+    @cute.jit
+    def accumulate(self, acc, a, weights, corners):
+        """acc += a * (sum of weight * corner), the sum in value's dtype (packed) or in fp32."""
+        if cutlass.const_expr(self.packed):
+            dt = self.value_dtype
+            total = corners[0] * dt(weights[0])
+            for c in cutlass.range_constexpr(1, 4):
+                total = total + corners[c] * dt(weights[c])
+            acc.store(acc.load() + a * total.to(cutlass.Float32))
+        else:
+            total = corners[0].to(cutlass.Float32) * weights[0]
+            for c in cutlass.range_constexpr(1, 4):
+                total = total + corners[c].to(cutlass.Float32) * weights[c]
+            acc.store(acc.load() + a * total)
+
+    @cute.jit
+    def sample(self, acc, w, h, a, H, W, top_left, corner):
+        """acc += one sample. top_left(pixel index) gives the first corner's location, corner(first,
+        dy, dx, in_level) loads one corner (zeros where not in_level)."""
+        inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
+        rows, cols = self.inside_corners(x0, y0, H, W)
+        first = top_left(y0 * W + x0)
+        corners = []
+        for dy in cutlass.range_constexpr(2):
+            for dx in cutlass.range_constexpr(2):
+                corners.append(corner(first, dy, dx, rows[dy] & cols[dx]))
+        # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
+        a = cutlass.select_(inside, a, cutlass.Float32(0.0))
+        self.accumulate(acc, a, self.weights(lw, lh), corners)
+
+
+def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, zero_pixel: int):
+    """(first corner from its pixel index, one corner's channels) in a level staged in shared memory
+    at pixel `base`; a corner outside the level reads the zero pixel after the staged levels."""
+    C = bilinear.C
+
+    def corner(top_left, dy: int, dx: int, ok):
+        pixel = cutlass.select_(ok, top_left + ((W if dy else 0) + dx), cutlass.Int32(zero_pixel))
+        return bilinear.load(sStaged.iterator + pixel * head_dim + chunk * C)
+
+    return (lambda p: base + p), corner
+
+
+def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype):
+    """(first corner's address from its pixel index, one corner's channels) in a level read from global
+    memory with 16-byte loads that L1 caches. value_base: this thread's channels of the level's pixel 0
+    (an Int64 address). A corner outside the level is a predicated-off load of zeros (cheaper than
+    selecting a 64-bit address of zeros)."""
+    row_bytes = cutlass.Int64(W) * pixel_bytes
+
+    @cute.jit
+    def corner(top_left, dy: int, dx: int, ok):
+        addr = top_left
+        if cutlass.const_expr(dy):
+            addr = addr + row_bytes
+        if cutlass.const_expr(dx):
+            addr = addr + pixel_bytes
+        v = cute.make_rmem_tensor(cute.make_layout(bilinear.C), value_dtype)
+        v.fill(0.0)
+        if ok:
+            v.store(bilinear.load(cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)))
+        return v.load()
+
+    return (lambda p: value_base + cutlass.Int64(p) * pixel_bytes), corner

@@ -1,0 +1,96 @@
+"""Which tiles each cluster works on, and in what order.
+
+Tiles are numbered (image, head, query block), so consecutive tiles share an (image, head); a run of
+them inside one range is a *segment*, and a segment shares one staging of the coarse levels. The tile
+sequence is cut into `clusters * rounds` ranges of equal length, and in round r cluster c works on range
+`r * clusters + c`. In any round all clusters therefore work inside one stretch of num_tiles / rounds
+consecutive tiles, a bounded number of (image, head) slices of value. The host picks `rounds` so that
+those slices fit in L2 (`plan`). With one round each cluster would sweep its own slices, far apart
+in the batch, and when the queries of a tile are not spatial neighbours (queries in random order,
+decoders) their footprints spread over the whole slice and L2 thrashes.
+
+With `whole` (few queries per image and head), range boundaries fall between segments: each cluster
+then stages each of its segments once and meets no barrier in the middle of one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+try:
+    import cutlass
+    import cutlass.cute as cute
+except Exception:  # the host-side plan works without the DSL
+    cutlass = cute = None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The host's choice for one launch: rounds of ranges, and whether ranges are whole segments."""
+
+    rounds: int
+    whole: bool
+
+
+def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_bytes: int, min_range: int,
+         slack: int) -> Schedule:
+    """Rounds such that the slices one round works on (its stretch of tiles, plus one slice for a range
+    that straddles two) take at most window_bytes, but no range shorter than min_range tiles; then
+    whole segments where they lengthen the longest range by at most `slack` tiles.
+
+    num_tiles: N * M * blocks; blocks: query blocks (tiles) per (image, head); slice_bytes: one
+    (image, head) slice of value; window_bytes <= 0: one round."""
+    rounds = 1
+    if window_bytes > 0:
+        slices = max(1, window_bytes // max(1, slice_bytes) - 1)
+        window_tiles = max(slices * blocks, clusters * min_range)
+        rounds = max(1, -(-num_tiles // window_tiles))
+    ranges = clusters * rounds
+    segments = num_tiles // blocks
+    whole = -(-segments // ranges) * blocks * ranges <= num_tiles + slack * ranges
+    return Schedule(rounds, whole)
+
+
+@dataclass(frozen=True)
+class TileScheduler:
+    """The device side of the schedule, read only (so the DSL's loops need not carry it). Tile indices
+    are Int32 (2^31 tiles of 32 queries would need terabytes of locations); products are formed in
+    64 bits."""
+
+    num_tiles: object
+    blocks: object
+    clusters: object
+    ranges: object
+    whole: object
+    cluster_id: object
+    num_heads: int
+
+    @staticmethod
+    def create(num_tiles, blocks, clusters, rounds, whole, cluster_id, num_heads: int) -> "TileScheduler":
+        return TileScheduler(cutlass.Int32(num_tiles), cutlass.Int32(blocks), cutlass.Int32(clusters),
+                             cutlass.Int32(clusters * rounds), whole, cutlass.Int32(cluster_id), num_heads)
+
+    @cute.jit
+    def boundary(self, i):
+        """Where range i begins: an even split of the tiles, or of the segments when whole."""
+        even = cutlass.Int64(i) * self.num_tiles // self.ranges
+        segments = self.num_tiles // self.blocks
+        whole = cutlass.Int64(i) * segments // self.ranges * self.blocks
+        return cutlass.Int32(cutlass.select_(self.whole != 0, whole, even))
+
+    @cute.jit
+    def range_of(self, round_):
+        """[begin, end) of this cluster's range in a round."""
+        i = round_ * self.clusters + self.cluster_id
+        return self.boundary(i), self.boundary(i + 1)
+
+    @cute.jit
+    def segment_at(self, t, t_end):
+        """The segment starting at tile t: its (image, head) index, its end, the image and the head."""
+        nm = t // self.blocks
+        end = cutlass.min(t_end, (nm + 1) * self.blocks)
+        return nm, end, nm // self.num_heads, nm % self.num_heads
+
+    @cute.jit
+    def first_query(self, tile, nm, queries_per_tile: int):
+        """First query of a tile of segment nm."""
+        return (tile - nm * self.blocks) * queries_per_tile

@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Tuning sweep of the Hopper kernel: every variant on every preset, checked against the float64
+reference (first image, outputs poisoned), then timed (do_bench median). The presets and their inputs are
+compare.py's, shuffled queries included.
+
+    python scripts/tune.py                                        # the defaults on every preset
+    python scripts/tune.py --sweep ",num_groups=4,window_fraction=0,packed=0" --presets seed-b48,seed-b48-shuffled
+    python scripts/tune.py --precompile --sweep ...               # only fill the kernel cache (no GPU needed)
+
+A variant is a ':'-separated list of knob=value of cute_deform.hopper.interface (TUNING, window_fraction,
+generic); the empty variant is the default.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from cute_deform.hopper import interface  # noqa: E402
+
+
+def parse_variant(spec: str) -> dict:
+    out = {}
+    for item in filter(None, spec.split(":")):
+        key, value = item.split("=")
+        out[key] = float(value) if "." in value else int(value) if value.lstrip("-").isdigit() else value
+    for key in ("packed", "generic", "l1_first"):
+        if key in out:
+            out[key] = bool(out[key])
+    return out
+
+
+def variant_name(tuning: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
+
+
+def shapes_of(names: list[str]) -> list:
+    return compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)]))
+
+
+def precompile(shapes, variants, dtype):
+    configs = set()
+    for shape in shapes:
+        value = torch.empty(1, 1, shape.M, shape.D, dtype=dtype)
+        loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2)
+        attn = torch.empty(1, 1, shape.M, shape.L, shape.P)
+        for tuning in variants:
+            knobs = {k: v for k, v in tuning.items() if k != "window_fraction"}
+            configs.add(interface.config_for(value, loc, attn, **knobs))
+    t0 = time.time()
+    interface.precompile(sorted(configs, key=repr))
+    print(f"{len(configs)} configurations (and their launch variants) in the cache in {time.time() - t0:.1f} s",
+          flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default=",".join(compare.PRESETS))
+    p.add_argument("--sweep", default="", help="comma list of variants (see above)")
+    p.add_argument("--dtype", choices=tuple(compare.DTYPES), default="fp16")
+    p.add_argument("--precompile", action="store_true", help="only compile into the disk cache")
+    p.add_argument("--no-check", action="store_true", help="time only")
+    p.add_argument("--rep", type=float, default=200.0, help="do_bench repetition time, ms")
+    args = p.parse_args(argv)
+    dtype = compare.DTYPES[args.dtype]
+    variants = [parse_variant(spec) for spec in args.sweep.split(",")]
+    shapes = shapes_of([n for n in args.presets.split(",") if n])
+    precompile(shapes, variants, dtype)
+    if args.precompile:
+        return 0
+    import triton.testing
+    from tqdm import tqdm
+
+    results, failures = {}, []
+    print(f"device {torch.cuda.get_device_name()}; value {args.dtype}, fp32 locations; µs, do_bench median", flush=True)
+    with tqdm(total=len(shapes) * len(variants), desc="tune", file=sys.stderr, mininterval=10) as bar:
+        for shape in shapes:
+            seed = int.from_bytes(os.urandom(4), "little")
+            (value, shapes_t, starts, loc, attn), _ = compare.make_inputs(
+                shape, dtype, torch.Generator(device="cuda").manual_seed(seed))
+            ref = None
+            if not args.no_check:
+                ref, _ = compare.baselines.reference_forward(value[:1], shapes_t, starts, loc[:1], attn[:1])
+            for tuning in variants:
+                bar.set_postfix_str(f"{shape.name} {variant_name(tuning)}")
+
+                def run(tuning=tuning):
+                    return interface.msda_forward(value, shapes_t, starts, loc, attn, **tuning)
+
+                torch.full((value.numel() // 2,), float("nan"), device="cuda")  # poison the allocator
+                out = run()
+                torch.cuda.synchronize()
+                err = float("nan")
+                if ref is not None:
+                    err = compare.baselines.relative_error(out[:1], ref)
+                    if not (err <= compare.CUTE_BOUND[dtype]) or not torch.isfinite(out).all():
+                        failures.append(f"{shape.name} {variant_name(tuning)}: rel err {err:.2e}")
+                del out
+                us = triton.testing.do_bench(run, warmup=25, rep=args.rep, return_mode="median") * 1e3
+                results[shape.name, variant_name(tuning)] = (us, err)
+                bar.update(1)
+            del value, loc, attn, ref
+            torch.cuda.empty_cache()
+    names = [variant_name(t) for t in variants]
+    width = max(14, *(len(n) for n in names))
+    print("\n" + "preset".ljust(20) + "".join(n.rjust(width + 2) for n in names))
+    for shape in shapes:
+        cells = []
+        for n in names:
+            us, err = results[shape.name, n]
+            cells.append(f"{us:.1f} ({err:.0e})".rjust(width + 2))
+        print(shape.name.ljust(20) + "".join(cells))
+    print("cells: µs (rel err of image 0 against float64)")
+    if failures:
+        print("FAILED:\n  " + "\n  ".join(failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
