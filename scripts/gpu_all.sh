@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/gpu_all_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DEFORM_CACHE_DIR=${CUTE_DEFORM_CACHE_DIR:-$PWD/.kcache}
 BUDGET=${BUDGET:-540}
-STEPS=${STEPS:-"sweep tests hardening compare host sanitizers"}
+STEPS=${STEPS:-"sweep compare tests hardening host sanitizers"}
 START=$(date +%s)
 SUMMARY=()
 step() {  # name max_seconds command...
@@ -29,15 +29,15 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader >"$O
 (python3 scripts/baselines.py >"$OUT/build-baselines.log" 2>&1; python3 scripts/peers.py >"$OUT/build-dcnv4.log" 2>&1) &
 BUILDS=$!
 step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
-step tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py
-step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
-cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 wait $BUILDS
 step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
+step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_ARGS:-}
+step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
+cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 step host 60 bash -c "python3 scripts/profile.py host && python3 scripts/profile.py first-call"
 step sanitizers 120 bash -c "compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no python3 scripts/profile.py smoke && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 tests/test_hardening_gpu.py"
 cat "$OUT/device.txt"
-for f in sweep tests hardening compare host sanitizers; do
+for f in sweep compare tests hardening host sanitizers; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }
 done
 printf '%s\n' "${SUMMARY[@]}"

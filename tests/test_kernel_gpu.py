@@ -75,12 +75,16 @@ def levels_of(c):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compiled_kernels():
-    """Compile every configuration of the grid up front, in parallel processes, into the disk cache."""
+def compiled_kernels(request):
+    """Compile the configurations of the selected cases up front, in parallel processes, into the disk
+    cache."""
+    selected = {item.callspec.id for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")}
     configs = []
     for c in CASES:
-        value, loc, attn = fake_inputs(c)
-        configs.append(interface.config_for(value, loc, attn, **VARIANTS[c["variant"]]))
+        if case_id(c) in selected:
+            value, loc, attn = fake_inputs(c)
+            configs.append(interface.config_for(value, loc, attn, **VARIANTS[c["variant"]]))
     interface.precompile(configs)
 
 
