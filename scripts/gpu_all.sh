@@ -3,7 +3,8 @@
 # hardening), the comparison with the baselines and DCNv4, host costs, and compute-sanitizer. Each step gets a
 # share of a BUDGET-second total so the call ends inside its limit. Logs under $OUT; a summary last.
 # On the device machine:  source .device/activate.sh && bash scripts/gpu_all.sh
-# STEPS picks steps (default: all), e.g. STEPS="sweep compare"; SWEEP and PRESETS pass through.
+# STEPS picks steps (default: all), e.g. STEPS="sweep compare"; SWEEP, PRESETS, IMPLS and PYTEST_K (a -k
+# expression for the test grid) pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_all_out}
@@ -31,7 +32,7 @@ BUILDS=$!
 step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
 wait $BUILDS
 step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
-step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_ARGS:-}
+step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 step host 60 bash -c "python3 scripts/profile.py host && python3 scripts/profile.py first-call"

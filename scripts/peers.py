@@ -39,7 +39,7 @@ def build_dcnv4(src: Path, verbose: bool = False):
     """The forward of DCNv4's flash_deform_attn as an extension (cached under build/dcnv4)."""
     from torch.utils.cpp_extension import load
 
-    work = BUILD_DIR / "src"
+    work = BUILD_DIR / "cuda"  # its sources include "cuda/..."
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(src / "src" / "cuda", work)
@@ -50,7 +50,7 @@ def build_dcnv4(src: Path, verbose: bool = False):
         path.write_text(text)
     (work / "binding.cpp").write_text(BINDING)
     return load(name="dcnv4_forward", sources=[str(work / "flash_deform_attn_cuda.cu"), str(work / "binding.cpp")],
-                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], extra_include_paths=[str(work.parent)],
+                extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"], extra_include_paths=[str(BUILD_DIR)],
                 build_directory=str(BUILD_DIR), verbose=verbose)
 
 

@@ -307,8 +307,8 @@ class MSDAForward:
     @cute.jit
     def stage_levels(self, stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used, n, m, rank):
         """Load the staged levels of (image n, head m) whole; in a cluster each CTA loads every other
-        box and multicasts it to both."""
-        lane = cute.arch.lane_idx()
+        box and multicasts it to both. The loop is warp-uniform: cute.copy of a TMA atom issues from one
+        elected lane."""
         D = self.D
         staging.expect(used * (D * self.cfg.itemsize))
         box = (D, 1, STAGE_BOX_PIXELS, 1)
@@ -316,7 +316,7 @@ class MSDAForward:
             if staged[level]:
                 H, W = sizes[level]
                 boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
-                for b in cutlass.range(lane * self.cluster + rank, boxes, 32 * self.cluster, unroll=1):
+                for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
                     pixel = cutlass.Int32(starts[level]) + b * STAGE_BOX_PIXELS
                     src = cute.local_tile(cute.domain_offset((0, m, pixel, n), stage_tma), box, (0, 0, 0, 0))
                     dst = cute.make_tensor(sStaged.iterator + (offsets[level] + b * STAGE_BOX_PIXELS) * D,
