@@ -152,8 +152,8 @@ class MSDAForward:
     # Device side
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
-               mValue: cute.Tensor, mShapes: cute.Tensor, mStarts: cute.Tensor, mLoc: cute.Tensor,
+    def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
+               box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor, mStarts: cute.Tensor, mLoc: cute.Tensor,
                mAttn: cute.Tensor, mRef: cute.Tensor, mOut: cute.Tensor, mDesc: cute.Tensor, mZero: cute.Tensor,
                num_tiles: cutlass.Int64, rounds: cutlass.Int32, whole: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
