@@ -211,12 +211,16 @@ def _fused_forward_for(spec: _ForwardSpec, state: _PatchState, in_place_mask: bo
         N, Lq, _ = hidden_states.shape
         _, S, _ = encoder_hidden_states.shape
         M, L, P = self.n_heads, self.n_levels, self.n_points
-        if spatial_shapes_list is not None:
-            total = sum(height * width for height, width in spatial_shapes_list)
-            if total != S:  # free to check: a list of ints on the host (the original checks it too)
+        # The original checks S against the level sizes; so do we where that is free (a list, or a
+        # table on the CPU), never reading a GPU tensor (a host sync).
+        if spatial_shapes_list is not None or (isinstance(spatial_shapes, torch.Tensor) and spatial_shapes.is_cpu):
+            levels = spatial_shapes.tolist() if spatial_shapes_list is None else spatial_shapes_list
+            total = sum(height * width for height, width in levels)
+            if total != S:
+                which = "spatial_shapes" if spatial_shapes_list is None else "spatial_shapes_list"
                 raise ValueError(
                     f"cute_deform: encoder_hidden_states: expected sequence length sum(H*W) = {total} over "
-                    f"spatial_shapes_list {list(spatial_shapes_list)}, got {S}"
+                    f"{which} {[list(level) for level in levels]}, got {S}"
                 )
         if not isinstance(spatial_shapes, torch.Tensor):
             spatial_shapes, level_start_index = _cpu_level_tables(
