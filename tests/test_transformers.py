@@ -348,3 +348,19 @@ def test_patch_of_a_model_without_msda_changes_nothing():
     assert not model._forward_pre_hooks and not model._forward_hooks
     with pytest.raises(TypeError, match="cute_deform: model: expected a torch.nn.Module, got str"):
         cdt.patch("model")
+
+
+def test_patched_module_under_torch_compile_fullgraph(gen):
+    """The patched forward traces into one graph (no graph break: no host sync, no data-dependent
+    Python), and gives transformers' output."""
+    from transformers.models.deformable_detr import modeling_deformable_detr as detr
+
+    module = build_module(detr.DeformableDetrMultiscaleDeformableAttention, 32, 4, 3, 3).eval()
+    randomize_msda_layers(module, gen)
+    kwargs = module_inputs(gen, module, 32, [(5, 6), (3, 4), (2, 2)], 4, keep_mask=True)
+    with torch.no_grad():
+        expected, _ = module(**kwargs)
+        cdt.patch(module)
+        torch._dynamo.reset()
+        out, weights = torch.compile(module, fullgraph=True)(**kwargs)
+    assert weights is None and rel_err(out, expected) < TOLERANCE
