@@ -195,7 +195,7 @@ def _fused_forward_for(spec: _ForwardSpec, state: _PatchState, in_place_mask: bo
         def arg(name):
             return kwargs[name] if name in kwargs else defaults.get(name)
 
-        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else None
+        hidden_states = kwargs.get("hidden_states")
         if hidden_states is None:
             raise TypeError(f"{type(self).__name__}.forward missing required argument 'hidden_states'")
         position_embeddings = arg("position_embeddings")
