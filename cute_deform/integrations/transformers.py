@@ -212,8 +212,11 @@ def _fused_forward_for(spec: _ForwardSpec, state: _PatchState, in_place_mask: bo
         _, S, _ = encoder_hidden_states.shape
         M, L, P = self.n_heads, self.n_levels, self.n_points
         # The original checks S against the level sizes; so do we where that is free (a list, or a
-        # table on the CPU), never reading a GPU tensor (a host sync).
-        if spatial_shapes_list is not None or (isinstance(spatial_shapes, torch.Tensor) and spatial_shapes.is_cpu):
+        # table on the CPU outside tracing), never reading a GPU tensor (a host sync). The op checks
+        # CPU tables again when it runs.
+        if spatial_shapes_list is not None or (
+            isinstance(spatial_shapes, torch.Tensor) and spatial_shapes.is_cpu and not torch.compiler.is_compiling()
+        ):
             levels = spatial_shapes.tolist() if spatial_shapes_list is None else spatial_shapes_list
             total = sum(height * width for height, width in levels)
             if total != S:
