@@ -11,8 +11,10 @@ and any other model whose module has the same structure. It replaces that instan
 one that computes the same thing, with the module's own weights: value projection and padding mask
 as the module does them, then `forward_fused` (locations and softmax inside the op), then
 output_proj. Whether a module has the same structure is decided from its forward's source, statement
-by statement (its mask convention included); a module that differs (RT-DETR v2, D-FINE: scaled
-offsets, per-level point counts) is left as it is, with a warning naming what differs.
+by statement (its mask convention included); a module with those layers whose forward differs
+(RT-DETR v2: scaled offsets) is left as it is, with a warning naming what differs. Modules without
+them (D-FINE's decoder attention, which has no value_proj) are not MSDA layers of this kind and are
+not touched.
 
 The patched forward returns what the original returns, `(output, attention_weights)`, except that
 the attention weights (a softmax that the fused op never materializes) are computed only when
