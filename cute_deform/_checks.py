@@ -273,3 +273,173 @@ def _check_level_values(spatial_shapes, level_start_index, num_keys, names) -> N
             raise ValueError(
                 f"cute_deform: {n_starts}: expected the running sum of H*W over {n_shapes}, {expected}, got {got}"
             )
+
+
+# --- The fused op (torch.ops.cute_deform.forward_fused): reference points, raw offsets and raw logits
+# instead of sampling locations and attention weights.
+
+FUSED_NAMES = ("value", "spatial_shapes", "level_start_index", "reference_points", "sampling_offsets",
+               "attention_logits")
+
+
+def validate_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+                   float_dtypes=OP_FLOAT_DTYPES, names=FUSED_NAMES, check_values=True):
+    """Validate the fused op's inputs; raise TypeError / ValueError naming the argument.
+
+    Layouts: value (N, S, M, D); spatial_shapes (L, 2) int64 as (H, W); level_start_index (L,) int64;
+    reference_points (N, Lq, L, 2) as (x, y) or (N, Lq, L, 4) as (cx, cy, w, h); sampling_offsets
+    (N, Lq, M, L, P, 2) as (x, y); attention_logits (N, Lq, M, L, P). Devices and the level table's
+    values as for the unfused op (`validate`).
+
+    Returns (sizes, shapes, starts) as `validate` does; sizes = (N, S, M, D, Lq, L, P).
+    """
+    sizes = _fused_sizes_if_well_formed(
+        value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits, float_dtypes
+    )
+    if sizes is None:
+        sizes = _fused_detailed_checks(
+            value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+            float_dtypes, names,
+        )
+    shapes = starts = None
+    if check_values and spatial_shapes.is_cpu:
+        shapes, starts = _read_level_table(spatial_shapes, level_start_index, sizes[1], names)
+    return sizes, shapes, starts
+
+
+def _read_level_table(spatial_shapes, level_start_index, num_keys, names):
+    """The CPU level table's values as lists (starts None when level_start_index is not on the CPU),
+    after checking them against value's S; raises naming the argument."""
+    shapes = spatial_shapes.tolist()
+    expected = []
+    start = 0
+    for height, width in shapes:
+        if height < 1 or width < 1:
+            break
+        expected.append(start)
+        start += height * width
+    else:
+        if start == num_keys:
+            if not level_start_index.is_cpu:
+                return shapes, None
+            starts = level_start_index.tolist()
+            if starts == expected:
+                return shapes, starts
+    _check_level_values(spatial_shapes, level_start_index, num_keys, names)  # raises, naming the argument
+    raise AssertionError("cute_deform: the level table checks disagree")  # pragma: no cover
+
+
+def _fused_sizes_if_well_formed(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                attention_logits, float_dtypes):
+    """(N, S, M, D, Lq, L, P) when _fused_detailed_checks would accept the inputs (level values aside),
+    else None; no message built."""
+    if not (
+        isinstance(value, _Tensor)
+        and isinstance(spatial_shapes, _Tensor)
+        and isinstance(level_start_index, _Tensor)
+        and isinstance(reference_points, _Tensor)
+        and isinstance(sampling_offsets, _Tensor)
+        and isinstance(attention_logits, _Tensor)
+    ):
+        return None
+    try:
+        N, S, M, D = value.shape
+        L, pair = spatial_shapes.shape
+        (L_starts,) = level_start_index.shape
+        N_ref, Lq, L_ref, coords = reference_points.shape
+        N_off, Lq_off, M_off, L_off, P, xy = sampling_offsets.shape
+    except ValueError:  # a rank that is not the layout's
+        return None
+    device = value.device
+    if (
+        pair == 2
+        and (coords == 2 or coords == 4)
+        and xy == 2
+        and L_starts == L
+        and N_ref == N
+        and L_ref == L
+        and N_off == N
+        and Lq_off == Lq
+        and M_off == M
+        and L_off == L
+        and attention_logits.shape == (N, Lq, M, L, P)
+        and value.dtype in float_dtypes
+        and reference_points.dtype in float_dtypes
+        and sampling_offsets.dtype in float_dtypes
+        and attention_logits.dtype in float_dtypes
+        and spatial_shapes.dtype == INDEX_DTYPE
+        and level_start_index.dtype == INDEX_DTYPE
+        and reference_points.device == device
+        and sampling_offsets.device == device
+        and attention_logits.device == device
+        and (spatial_shapes.is_cpu or spatial_shapes.device == device)
+        and (level_start_index.is_cpu or level_start_index.device == device)
+    ):
+        return (N, S, M, D, Lq, L, P)
+    return None
+
+
+def _fused_detailed_checks(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                           attention_logits, float_dtypes, names):
+    """Every check of the fused op's inputs short of the level values, one at a time, raising with a
+    message that names the argument; returns (N, S, M, D, Lq, L, P) when all pass."""
+    n_value, n_shapes, n_starts, n_ref, n_off, n_logits = names
+    tensors = (value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits)
+    for t, name in zip(tensors, names):
+        _check_tensor(t, name)
+
+    _check_rank(value, n_value, "(N, S, M, D)")
+    _check_rank(spatial_shapes, n_shapes, "(L, 2)")
+    _check_rank(level_start_index, n_starts, "(L,)")
+    _check_rank(reference_points, n_ref, "(N, Lq, L, 2 or 4)")
+    _check_rank(sampling_offsets, n_off, "(N, Lq, M, L, P, 2)")
+    _check_rank(attention_logits, n_logits, "(N, Lq, M, L, P)")
+    if spatial_shapes.shape[1] != 2:
+        raise ValueError(
+            f"cute_deform: {n_shapes}: expected shape (L, 2) holding (H, W) per level, got {_fmt_shape(spatial_shapes)}"
+        )
+    if reference_points.shape[-1] not in (2, 4):
+        raise ValueError(
+            f"cute_deform: {n_ref}: expected last dim 2 (x, y) or 4 (cx, cy, w, h), "
+            f"got shape {_fmt_shape(reference_points)}"
+        )
+    if sampling_offsets.shape[-1] != 2:
+        raise ValueError(
+            f"cute_deform: {n_off}: expected last dim 2 holding (x, y), got shape {_fmt_shape(sampling_offsets)}"
+        )
+
+    _check_dtype(value, n_value, float_dtypes)
+    _check_dtype(spatial_shapes, n_shapes, (INDEX_DTYPE,))
+    _check_dtype(level_start_index, n_starts, (INDEX_DTYPE,))
+    _check_dtype(reference_points, n_ref, float_dtypes)
+    _check_dtype(sampling_offsets, n_off, float_dtypes)
+    _check_dtype(attention_logits, n_logits, float_dtypes)
+
+    device = value.device
+    for t, name in ((reference_points, n_ref), (sampling_offsets, n_off), (attention_logits, n_logits)):
+        if t.device != device:
+            raise ValueError(f"cute_deform: {name}: expected device {device} (the device of {n_value}), got {t.device}")
+    for t, name in ((spatial_shapes, n_shapes), (level_start_index, n_starts)):
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(
+                f"cute_deform: {name}: expected device {device} (the device of {n_value}) or cpu, got {t.device}"
+            )
+
+    batch, num_keys, num_heads, head_dim = value.shape
+    num_queries = reference_points.shape[1]
+    num_levels = spatial_shapes.shape[0]
+    num_points = sampling_offsets.shape[4]
+    _check_size(level_start_index.shape[0], num_levels, n_starts, "L, levels", 0, level_start_index, n_shapes)
+    _check_size(reference_points.shape[0], batch, n_ref, "N, batch", 0, reference_points, n_value)
+    _check_size(reference_points.shape[2], num_levels, n_ref, "L, levels", 2, reference_points, n_shapes)
+    _check_size(sampling_offsets.shape[0], batch, n_off, "N, batch", 0, sampling_offsets, n_value)
+    _check_size(sampling_offsets.shape[1], num_queries, n_off, "Lq, queries", 1, sampling_offsets, n_ref)
+    _check_size(sampling_offsets.shape[2], num_heads, n_off, "M, heads", 2, sampling_offsets, n_value)
+    _check_size(sampling_offsets.shape[3], num_levels, n_off, "L, levels", 3, sampling_offsets, n_shapes)
+    _check_size(attention_logits.shape[0], batch, n_logits, "N, batch", 0, attention_logits, n_value)
+    _check_size(attention_logits.shape[1], num_queries, n_logits, "Lq, queries", 1, attention_logits, n_ref)
+    _check_size(attention_logits.shape[2], num_heads, n_logits, "M, heads", 2, attention_logits, n_value)
+    _check_size(attention_logits.shape[3], num_levels, n_logits, "L, levels", 3, attention_logits, n_shapes)
+    _check_size(attention_logits.shape[4], num_points, n_logits, "P, points", 4, attention_logits, n_off)
+
+    return (batch, num_keys, num_heads, head_dim, num_queries, num_levels, num_points)

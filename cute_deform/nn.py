@@ -1,7 +1,9 @@
 """`MSDeformAttn`: Deformable DETR's multi-scale deformable attention module on top of cute_deform.
 
 Same constructor, forward signature, parameter names and shapes, and initialization as Deformable
-DETR's module, so a checkpoint's state dict loads unchanged (strict=True).
+DETR's module, so a checkpoint's state dict loads unchanged (strict=True). The forward runs
+`torch.ops.cute_deform.forward_fused`: sampling locations and attention weights are computed inside
+the op (in fp32) from the raw outputs of the sampling_offsets and attention_weights layers.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from .functional import ms_deform_attn
+from .fused import forward_fused as _forward_fused
 
 
 class MSDeformAttn(nn.Module):
@@ -83,25 +85,12 @@ class MSDeformAttn(nn.Module):
 
         value = self.value_proj(input_flatten)
         if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+            # In place on the projection's fresh output: one pass, no second (N, S, d_model) tensor.
+            value.masked_fill_(input_padding_mask[..., None], 0.0)
         value = value.view(N, S, M, self.d_model // M)
 
+        # Raw Linear outputs: the op computes locations and the softmax over L*P itself.
         offsets = self.sampling_offsets(query).view(N, Lq, M, L, P, 2)
-        weights = self.attention_weights(query).view(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
-
-        ref = reference_points[:, :, None, :, None, :]  # (N, Lq, 1, L, 1, 2 or 4)
-        if reference_points.shape[-1] == 2:
-            # Offsets are in pixels of each level: divide by (W, H) to get normalized units.
-            pixels = input_spatial_shapes.flip(-1).to(device=offsets.device, dtype=offsets.dtype)
-            locations = ref + offsets / pixels[None, None, None, :, None, :]
-        elif reference_points.shape[-1] == 4:
-            # Offsets are relative to the box: P offsets span half its width/height.
-            locations = ref[..., :2] + offsets / P * ref[..., 2:] * 0.5
-        else:
-            raise ValueError(
-                "cute_deform: reference_points: expected last dim 2 (x, y) or 4 (cx, cy, w, h), "
-                f"got shape {tuple(reference_points.shape)}"
-            )
-
-        out = ms_deform_attn(value, input_spatial_shapes, input_level_start_index, locations, weights, self.im2col_step)
+        logits = self.attention_weights(query).view(N, Lq, M, L, P)
+        out = _forward_fused(value, input_spatial_shapes, input_level_start_index, reference_points, offsets, logits)
         return self.output_proj(out)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._checks import REFERENCE_FLOAT_DTYPES, check_inputs
+from ._checks import REFERENCE_FLOAT_DTYPES, check_inputs, validate_fused
 
 # Upper bound on the elements of the per-chunk working set, so that the reference for
 # N=48, Lq=15422, M=8, L=4, P=8, D=32 in float64 stays well under a GPU's memory.
@@ -197,3 +197,59 @@ def ms_deform_attn_grid_sample(
             acc += (sampled * attn_l[:, None]).sum(-1)  # (N*M, D, Q, P) -> (N*M, D, Q)
         out[:, first:last] = acc.view(N, M, D, Q).permute(0, 3, 1, 2)
     return out.view(shape.output_shape).to(out_dtype)
+
+
+def fused_sampling_inputs(
+    spatial_shapes: torch.Tensor,
+    reference_points: torch.Tensor,
+    sampling_offsets: torch.Tensor,
+    attention_logits: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sampling_locations, attention_weights) as Deformable DETR's module computes them, in compute_dtype.
+
+    Locations: with 2-d reference points (x, y), `ref + offset / (W_l, H_l)` (offsets in pixels of
+    each level); with 4-d boxes (cx, cy, w, h), `ref[:2] + offset / P * ref[2:] * 0.5`. Weights: a
+    softmax over the L*P samples of each (query, head), NaN where torch's softmax gives NaN.
+    spatial_shapes must be on the offsets' device (it is only used there, never read to the host).
+    """
+    N, Lq, M, L, P, _ = sampling_offsets.shape
+    ref = reference_points.to(compute_dtype)[:, :, None, :, None, :]  # (N, Lq, 1, L, 1, 2 or 4)
+    offsets = sampling_offsets.to(compute_dtype)
+    if reference_points.shape[-1] == 2:
+        pixels = spatial_shapes.flip(-1).to(compute_dtype)  # (L, 2) as (W, H)
+        locations = ref + offsets / pixels[:, None, :]
+    else:
+        locations = ref[..., :2] + offsets / P * ref[..., 2:] * 0.5
+    weights = attention_logits.to(compute_dtype).reshape(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
+    return locations, weights
+
+
+def fused_reference(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    reference_points: torch.Tensor,
+    sampling_offsets: torch.Tensor,
+    attention_logits: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype = torch.float64,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The fused op's semantics: locations and softmax (`fused_sampling_inputs`) in compute_dtype, then
+    `ms_deform_attn_reference` in compute_dtype; returns (N, Lq, M*D) in out_dtype (default value.dtype).
+
+    Inputs as for torch.ops.cute_deform.forward_fused, float64 also accepted. Reads the level table to
+    the host.
+    """
+    validate_fused(
+        value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+        float_dtypes=REFERENCE_FLOAT_DTYPES,
+    )
+    _check_compute_dtype(compute_dtype)
+    locations, weights = fused_sampling_inputs(
+        spatial_shapes.to(value.device), reference_points, sampling_offsets, attention_logits, compute_dtype
+    )
+    return ms_deform_attn_reference(
+        value, spatial_shapes, level_start_index, locations, weights, compute_dtype=compute_dtype, out_dtype=out_dtype
+    )

@@ -208,13 +208,15 @@ BAD_INPUTS_DOC = Path(__file__).resolve().parent.parent / "docs" / "bad_inputs.m
 DOC_SECTIONS = {
     "cpu": "CUTE_DEFORM_WRITE_DOCS=1 python -m pytest -q tests/test_hardening.py",
     "gpu": "CUTE_DEFORM_WRITE_DOCS=1 python -m pytest -q tests/test_hardening_gpu.py  # on an sm_90 GPU",
+    "fused-cpu": "CUTE_DEFORM_WRITE_DOCS=1 python -m pytest -q tests/test_fused_hardening.py",
 }
 DOC_HEADER = """\
 # Bad and hostile inputs
 
-Every bad or hostile input tried against `torch.ops.cute_deform.forward`, and what happened. This
-file is generated: each section is written by the test named in it when `CUTE_DEFORM_WRITE_DOCS=1`,
-and compared with what that test observes otherwise, so it stays true. Do not edit it by hand.
+Every bad or hostile input tried against `torch.ops.cute_deform.forward` and
+`torch.ops.cute_deform.forward_fused` (last section), and what happened. This file is generated:
+each section is written by the test named in it when `CUTE_DEFORM_WRITE_DOCS=1`, and compared with
+what that test observes otherwise, so it stays true. Do not edit it by hand.
 
 - **where checked**: `host` is Python before any launch (`cute_deform/_checks.py`), on every path,
   torch.compile's fake tensors included; `host, CPU level table` reads spatial_shapes /
@@ -280,3 +282,54 @@ def check_or_write_doc_section(name: str, body: str, *, path: Path = BAD_INPUTS_
         diff = "".join(difflib.unified_diff(current.splitlines(True), expected.splitlines(True), str(path), "observed"))
         raise AssertionError(f"{path} ({name} section) differs from what the test observes; if the change is "
                              f"intended, regenerate it with `{DOC_SECTIONS[name]}`:\n{diff[:6000]}")
+
+
+# --- The fused op (tests/test_fused*.py, tests/test_nn.py): reference points, raw offsets and logits.
+
+
+def make_fused_inputs(gen, levels, *, batch=2, queries=5, heads=3, head_dim=4, points=2, ref_dim=2,
+                      dtype=torch.float64, ref_dtype=None, offset_dtype=None, logit_dtype=None, spread=2.0):
+    """Random inputs of torch.ops.cute_deform.forward_fused: reference points in [0, 1] (boxes of size
+    0.05..0.65), offsets ~ N(0, spread^2) pixels (2-d) or box units (4-d), so some samples land outside
+    their level; logits ~ N(0, 4)."""
+    shapes, starts = level_tensors(levels)
+    num_keys = int(shapes.prod(-1).sum())
+    L = len(levels)
+
+    def randn(*size):
+        return torch.randn(size, generator=gen, dtype=torch.float64)
+
+    def rand(*size):
+        return torch.rand(size, generator=gen, dtype=torch.float64)
+
+    value = randn(batch, num_keys, heads, head_dim).to(dtype)
+    if ref_dim == 2:
+        ref = rand(batch, queries, L, 2)
+    else:
+        ref = torch.cat([rand(batch, queries, L, 2), 0.05 + 0.6 * rand(batch, queries, L, 2)], -1)
+    offsets = spread * randn(batch, queries, heads, L, points, 2)
+    logits = 2 * randn(batch, queries, heads, L, points)
+    return (value, shapes, starts, ref.to(ref_dtype or dtype), offsets.to(offset_dtype or dtype),
+            logits.to(logit_dtype or dtype))
+
+
+def unfused_locations_and_weights(spatial_shapes, reference_points, sampling_offsets, attention_logits):
+    """Deformable DETR's module formula in float64, written per level and axis (independently of
+    cute_deform.reference.fused_sampling_inputs); the softmax as exp(x - max) / sum."""
+    ref = reference_points.double()
+    offsets = sampling_offsets.double()
+    N, Lq, M, L, P, _ = offsets.shape
+    locations = torch.empty_like(offsets)
+    for level, (height, width) in enumerate(spatial_shapes.tolist()):
+        for axis, size in ((0, width), (1, height)):
+            centre = ref[:, :, None, level, None, axis]  # (N, Lq, 1, 1)
+            offset = offsets[:, :, :, level, :, axis]
+            if ref.shape[-1] == 2:  # offsets in pixels of this level
+                locations[:, :, :, level, :, axis] = centre + offset / size
+            else:  # P offsets span half the box
+                box = ref[:, :, None, level, None, 2 + axis]
+                locations[:, :, :, level, :, axis] = centre + offset / P * box * 0.5
+    logits = attention_logits.double().reshape(N, Lq, M, L * P)
+    weights = torch.exp(logits - logits.amax(-1, keepdim=True))
+    weights = (weights / weights.sum(-1, keepdim=True)).reshape(N, Lq, M, L, P)
+    return locations, weights

@@ -309,7 +309,8 @@ def test_doc_sections_are_written_independently(tmp_path):
     path = tmp_path / "bad_inputs.md"
     check_or_write_doc_section("gpu", "gpu table\n", path=path, write=True)
     check_or_write_doc_section("cpu", "cpu table\n", path=path, write=True)
-    assert doc_sections(path.read_text()) == {"cpu": "cpu table\n", "gpu": "gpu table\n"}
+    sections = doc_sections(path.read_text())
+    assert sections["cpu"] == "cpu table\n" and sections["gpu"] == "gpu table\n"
     path.write_text(render_doc({"cpu": "cpu table\n", "gpu": "edited by hand\n"}))
     check_or_write_doc_section("cpu", "cpu table\n", path=path, write=False)
     with pytest.raises(AssertionError, match="cpu section"):

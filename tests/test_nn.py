@@ -137,3 +137,113 @@ def test_module_rejects_bad_configuration_and_reference_points(gen):
     flat = torch.randn((1, 9, 16), generator=gen)
     with pytest.raises(ValueError, match=r"reference_points: expected last dim 2 \(x, y\) or 4"):
         module(query, torch.rand((1, 4, 1, 3), generator=gen), flat, shapes, starts)
+
+
+def random_layer_inputs(gen, n_levels, d_model, ref_dim, *, levels=((6, 9), (3, 5), (1, 2)), N=2, Lq=7):
+    shapes, starts = level_tensors(list(levels[:n_levels]))
+    S = int(shapes.prod(-1).sum())
+    query = torch.randn((N, Lq, d_model), generator=gen)
+    flat = torch.randn((N, S, d_model), generator=gen)
+    if ref_dim == 2:
+        reference_points = torch.rand((N, Lq, n_levels, 2), generator=gen)
+    else:
+        centre = torch.rand((N, Lq, 1, 2), generator=gen)
+        size = 0.05 + 0.5 * torch.rand((N, Lq, 1, 2), generator=gen)
+        reference_points = torch.cat([centre, size], -1).expand(N, Lq, n_levels, 4)
+    mask = torch.rand((N, S), generator=gen) < 0.3
+    return query, reference_points, flat, shapes, starts, mask
+
+
+def unfused_forward(module, query, reference_points, flat, shapes, starts, mask):
+    """MSDeformAttn.forward as it was before the fused op: locations and softmax with torch ops in the
+    layers' dtype, masked_fill, then torch.ops.cute_deform.forward."""
+    N, Lq, _ = query.shape
+    S = flat.shape[1]
+    M, L, P = module.n_heads, module.n_levels, module.n_points
+    value = module.value_proj(flat)
+    if mask is not None:
+        value = value.masked_fill(mask[..., None], 0.0)
+    value = value.view(N, S, M, module.d_model // M)
+    offsets = module.sampling_offsets(query).view(N, Lq, M, L, P, 2)
+    weights = module.attention_weights(query).view(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
+    ref = reference_points[:, :, None, :, None, :]
+    if reference_points.shape[-1] == 2:
+        pixels = shapes.flip(-1).to(device=offsets.device, dtype=offsets.dtype)
+        locations = ref + offsets / pixels[None, None, None, :, None, :]
+    else:
+        locations = ref[..., :2] + offsets / P * ref[..., 2:] * 0.5
+    return module.output_proj(torch.ops.cute_deform.forward(value, shapes, starts, locations, weights))
+
+
+@pytest.mark.parametrize("ref_dim", [2, 4])
+def test_fused_forward_equals_the_unfused_formula(gen, ref_dim):
+    """fp32: the module (fused op) equals its former unfused formula within fp32 rounding, and both the
+    float64 computation from the state dict."""
+    d_model, n_levels, n_heads, n_points = 32, 3, 4, 3
+    state = deformable_detr_state_dict(gen, d_model, n_levels, n_heads, n_points)
+    module = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+    module.load_state_dict(state, strict=True)
+    inputs = random_layer_inputs(gen, n_levels, d_model, ref_dim)
+    with torch.no_grad():
+        out = module(*inputs)
+        unfused = unfused_forward(module, *inputs)
+    expected = manual_forward(state, *inputs, n_heads, n_levels, n_points)
+    assert rel_err(out, unfused) < 1e-6
+    assert rel_err(out, expected) < 2e-6 and rel_err(unfused, expected) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_module(gen, dtype):
+    """.half() / .to(bf16) weights and inputs, no autocast: output in that dtype, within a few of its
+    epsilons of the float64 computation from the (rounded) state dict and inputs."""
+    d_model, n_levels, n_heads, n_points = 32, 3, 4, 3
+    state = deformable_detr_state_dict(gen, d_model, n_levels, n_heads, n_points)
+    module = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+    module.load_state_dict(state, strict=True)
+    module.to(dtype)
+    query, ref, flat, shapes, starts, mask = random_layer_inputs(gen, n_levels, d_model, 2)
+    query, ref, flat = query.to(dtype), ref.to(dtype), flat.to(dtype)
+    with torch.no_grad():
+        out = module(query, ref, flat, shapes, starts, mask)
+    assert out.dtype == dtype
+    rounded = {k: v.to(dtype) for k, v in state.items()}
+    expected = manual_forward(rounded, query, ref, flat, shapes, starts, mask, n_heads, n_levels, n_points)
+    assert rel_err(out, expected) < 3 * torch.finfo(dtype).eps
+
+
+def test_padding_mask_zeroes_values_even_where_they_are_not_finite(gen):
+    """Masked pixels' values become 0 whatever the projection gives there (masked_fill, not a multiply:
+    NaN and inf features at padding do not leak), and the caller's input_flatten is left as it was."""
+    d_model, n_levels, n_heads, n_points = 16, 2, 2, 2
+    module = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+    module.load_state_dict(deformable_detr_state_dict(gen, d_model, n_levels, n_heads, n_points))
+    query, ref, flat, shapes, starts, mask = random_layer_inputs(gen, n_levels, d_model, 2)
+    poisoned = flat.clone()
+    poisoned[mask] = torch.tensor([math.nan, math.inf] * (d_model // 2))
+    kept = poisoned.clone()
+    with torch.no_grad():
+        out = module(query, ref, poisoned, shapes, starts, mask)
+        zeroed = module(query, ref, flat.masked_fill(mask[..., None], 0.0), shapes, starts, mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, zeroed) < 1e-6
+    assert torch.equal(poisoned.isnan(), kept.isnan()) and torch.equal(poisoned.nan_to_num(), kept.nan_to_num())
+
+
+def test_module_under_torch_compile_fullgraph(gen):
+    d_model, n_levels, n_heads, n_points = 32, 3, 4, 3
+    module = MSDeformAttn(d_model, n_levels, n_heads, n_points)
+    module.load_state_dict(deformable_detr_state_dict(gen, d_model, n_levels, n_heads, n_points))
+    compiled = torch.compile(module, fullgraph=True)
+    for ref_dim in (2, 4):
+        inputs = random_layer_inputs(gen, n_levels, d_model, ref_dim)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(*inputs), module(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_module_is_forward_only(gen):
+    """Training-mode calls run, and backpropagating raises instead of returning wrong gradients."""
+    module = MSDeformAttn(16, 2, 2, 2)
+    inputs = random_layer_inputs(gen, 2, 16, 2)
+    out = module(*inputs)
+    with pytest.raises(RuntimeError, match="forward only"):
+        out.sum().backward()
