@@ -35,8 +35,8 @@ step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-clas
 step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
-step host 60 bash -c "python3 scripts/profile.py host && python3 scripts/profile.py first-call"
-step sanitizers 120 bash -c "compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no python3 scripts/profile.py smoke && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 tests/test_hardening_gpu.py"
+step host 60 bash -c "python3 scripts/overhead.py host && python3 scripts/overhead.py first-call"
+step sanitizers 120 bash -c "compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no python3 scripts/overhead.py smoke && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 tests/test_hardening_gpu.py"
 cat "$OUT/device.txt"
 for f in sweep compare tests hardening host sanitizers; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """What a call costs besides the kernel, and a small check for the sanitizers: one entry point.
 
-    python scripts/profile.py compile      # any machine: cold compile time of each kernel variant
-    python scripts/profile.py first-call   # GPU: a fresh process with the kernel in the disk cache
-    python scripts/profile.py host         # GPU: host time per call (op, fused op, launch function), and
+    python scripts/overhead.py compile      # any machine: cold compile time of each kernel variant
+    python scripts/overhead.py first-call   # GPU: a fresh process with the kernel in the disk cache
+    python scripts/overhead.py host         # GPU: host time per call (op, fused op, launch function), and
                                            #      where it goes (cProfile, with --cprofile)
-    python scripts/profile.py smoke        # GPU: one small case against float64 (run under compute-sanitizer)
+    python scripts/overhead.py smoke        # GPU: one small case against float64 (run under compute-sanitizer)
 """
 from __future__ import annotations
 
