@@ -3,7 +3,8 @@
     forward(Tensor value, Tensor spatial_shapes, Tensor level_start_index,
             Tensor sampling_locations, Tensor attention_weights, int im2col_step=64) -> Tensor
 
-- CPU: the exact reference (`cute_deform.reference`), fp32 arithmetic.
+- CPU: `cute_deform.cpu.forward` (a weighted embedding_bag per chunk of queries, fp32 arithmetic,
+  the reference's exact rules for skipped samples).
 - CUDA on sm_90 with the CuTe kernel available: `cute_deform.msda_fwd.msda_forward`.
 - Any other CUDA device (or sm_90 without the kernel): a slower pure-PyTorch path
   (`ms_deform_attn_grid_sample`, fp32 arithmetic, same semantics), with a one-time SlowPathWarning.
@@ -20,8 +21,9 @@ import warnings
 
 import torch
 
+from . import cpu
 from ._checks import validate
-from .reference import ms_deform_attn_grid_sample, ms_deform_attn_reference
+from .reference import ms_deform_attn_grid_sample
 
 SCHEMA = (
     "(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
@@ -43,18 +45,17 @@ forward = torch.ops.cute_deform.forward.default
 
 
 def _forward_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
-    """CPU kernel: the exact reference, in fp32 arithmetic (float64 would be ~2x slower for no user benefit)."""
-    (N, _, M, D, Lq, L, P), _, _ = validate(
+    """CPU kernel: cute_deform.cpu.forward, fp32 arithmetic."""
+    (N, _, M, D, Lq, L, P), shapes, starts = validate(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
     if not (N and Lq and M and D):  # nothing to compute
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
-    return ms_deform_attn_reference(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        compute_dtype=torch.float32, out_dtype=value.dtype,
-    )
+    # On the CPU the checks read both level tables (shapes and starts are their values).
+    levels = [(height, width, start) for (height, width), start in zip(shapes, starts)]
+    return cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, levels)
 
 
 _DEVICE_LEVEL_TABLES: "collections.OrderedDict" = collections.OrderedDict()
