@@ -3,7 +3,8 @@
     python -m cute_deform.demo [--preset decoder|encoder|seed|tiny] [--dtype fp16|bf16|fp32] [--device cpu|cuda]
 
 On an sm_90 GPU with the kernel available this runs the CuTe kernel; on any other machine it runs
-the op's pure-PyTorch path and says so. Exit status 1 when the check fails.
+the op's pure-PyTorch path and says so. Exit status 1 when the check fails, 2 for a bad argument
+(such as --device cuda where torch sees no CUDA device).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def make_inputs(preset: Preset, value_dtype: torch.dtype, device: torch.device, 
 
 def describe_path(device: torch.device) -> str:
     if device.type == "cpu":
-        return ("the op's reference path (pure PyTorch, fp32 arithmetic): no Hopper GPU was used, "
+        return ("the op's CPU path (pure PyTorch, fp32 arithmetic): no Hopper GPU was used, "
                 "so the CuTe kernel did not run")
     index = device.index if device.index is not None else torch.cuda.current_device()
     reason = _op.kernel_unavailable_reason(index)
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: a fresh one)")
     opts = parser.parse_args(argv)
+    if opts.device == "cuda" and not torch.cuda.is_available():
+        parser.error("argument --device: cuda is not available here (torch.cuda.is_available() is False); "
+                     "use --device cpu")
 
     preset = PRESETS[opts.preset]
     device = torch.device(opts.device)

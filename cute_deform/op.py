@@ -3,7 +3,8 @@
     forward(Tensor value, Tensor spatial_shapes, Tensor level_start_index,
             Tensor sampling_locations, Tensor attention_weights, int im2col_step=64) -> Tensor
 
-- CPU: the exact reference (`cute_deform.reference`), fp32 arithmetic.
+- CPU: `cute_deform.cpu.forward` (a weighted embedding_bag per chunk of queries, fp32 arithmetic,
+  the reference's exact rules for skipped samples).
 - CUDA on sm_90 with the CuTe kernels available: `cute_deform.hopper.interface.msda_forward`.
 - Any other CUDA device (or sm_90 without the kernel): a slower pure-PyTorch path
   (`ms_deform_attn_grid_sample`, fp32 arithmetic, same semantics), with a one-time SlowPathWarning.
@@ -11,6 +12,9 @@
 value fp32/fp16/bf16, locations and weights fp32/fp16/bf16 in any combination, output in value's
 dtype. im2col_step is accepted for drop-in compatibility and ignored: any batch size works.
 The op is forward only; backpropagating through it raises.
+
+Registered through public `torch.library` calls only: `Library.define` / `Library.impl` for the CPU
+and CUDA kernels, `register_fake`, and `register_autograd` with a backward that raises.
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ import warnings
 
 import torch
 
+from . import cpu
 from ._checks import validate
-from .reference import ms_deform_attn_grid_sample, ms_deform_attn_reference
+from .reference import ms_deform_attn_grid_sample
 
 SCHEMA = (
     "(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
@@ -33,28 +38,25 @@ class SlowPathWarning(UserWarning):
     """The op ran its pure-PyTorch path on a CUDA device because the Hopper kernel cannot run there."""
 
 
-# The op is registered with torch.library's low-level API (define + impl per dispatch key) rather
-# than torch.library.custom_op: custom_op wraps every call in several layers of Python (an autograd
-# kernel that builds a dataclass and redispatches, a per-device wrapper, an aliasing check), which
-# cost ~5 us of host time per call; this costs ~1-2 us (scripts/op_overhead.py).
+# torch.library's define/impl rather than torch.library.custom_op: custom_op wraps every call in
+# several more layers of Python (a per-device wrapper, an aliasing check), ~5 us more host time a call.
 _lib = torch.library.Library("cute_deform", "FRAGMENT")
 _lib.define("forward" + SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
 forward = torch.ops.cute_deform.forward.default
 
 
 def _forward_cpu(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
-    """CPU kernel: the exact reference, in fp32 arithmetic (float64 would be ~2x slower for no user benefit)."""
-    (N, _, M, D, Lq, L, P), _, _ = validate(
+    """CPU kernel: cute_deform.cpu.forward, fp32 arithmetic."""
+    (N, _, M, D, Lq, L, P), shapes, starts = validate(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights
     )
     if not (N and Lq and M and D):  # nothing to compute
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
-    return ms_deform_attn_reference(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        compute_dtype=torch.float32, out_dtype=value.dtype,
-    )
+    # On the CPU the checks read both level tables (shapes and starts are their values).
+    levels = [(height, width, start) for (height, width), start in zip(shapes, starts)]
+    return cpu.forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, levels)
 
 
 _DEVICE_LEVEL_TABLES: "collections.OrderedDict" = collections.OrderedDict()
@@ -122,71 +124,43 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
 
 
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+    """Fake implementation (torch.compile's fake tensors) and meta kernel (meta tensors).
+
+    A level table that is a real CPU tensor (value on the meta device) is checked against value as the
+    CPU and CUDA kernels check it. A fake one (a FakeTensor, or a functional wrapper of one, while
+    torch.compile traces) has no values to read: those are checked when the compiled graph runs."""
+    real_tables = type(spatial_shapes) is torch.Tensor and type(level_start_index) is torch.Tensor
     (N, _, M, D, Lq, _, _), _, _ = validate(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, check_values=False
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, check_values=real_tables
     )
     return value.new_empty((N, Lq, M * D))
 
 
-class _ForwardOnly(torch.autograd.Function):
-    """What the op does when an input requires grad: the forward, and a backward that raises."""
-
-    @staticmethod
-    def forward(ctx, keyset, *args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return forward.redispatch(keyset & _AFTER_AUTOGRAD, *args)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"Trying to backward through {forward} but no autograd formula was registered. "
-            "Please use register_autograd to add one."
-        )
+def _forward_other_device(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                          im2col_step=64):
+    """What the dispatcher runs where no kernel above applies: tensors on another backend (MPS, XPU, ...),
+    or no tensor at all (every tensor argument None). Bad arguments get their usual named error."""
+    validate(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, check_values=False)
+    raise NotImplementedError(
+        f"cute_deform: value: expected a tensor on the CPU or a CUDA device, got device {value.device}"
+    )
 
 
-_AFTER_AUTOGRAD = torch._C._after_autograd_keyset
-_KERNEL_FOR_KEY = {torch._C.DispatchKey.CPU: _forward_cpu, torch._C.DispatchKey.CUDA: _forward_cuda}
-_DIRECT_KERNELS: dict = {}  # raw dispatch key set -> _direct_kernel's answer
-
-
-def _direct_kernel(keyset):
-    """Our kernel that the dispatcher would run right below autograd for this key set, or None where
-    something else comes first (a tensor subclass or dispatch mode: Python; functionalization; meta
-    tensors: the fake implementation). The key set is the one the dispatcher hands the Autograd kernel,
-    already without the keys whose kernels fall through (ADInplaceOrView, BackendSelect)."""
-    raw = keyset.raw_repr()
-    kernel = _DIRECT_KERNELS.get(raw, False)
-    if kernel is False:
-        kernel = _DIRECT_KERNELS[raw] = _KERNEL_FOR_KEY.get((keyset & _AFTER_AUTOGRAD).highestPriorityTypeId())
-    return kernel
-
-
-def _forward_autograd(keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                      im2col_step=64):
-    """The op's Autograd kernel (the dispatcher calls it on every call outside inference mode).
-
-    With an input that requires grad: the forward through _ForwardOnly, whose backward raises. Else,
-    where nothing but our CPU or CUDA kernel lies below autograd, that kernel is called straight away
-    (a redispatch through the dispatcher would cost another ~1 us); anything else is redispatched."""
-    if (value.requires_grad or sampling_locations.requires_grad or attention_weights.requires_grad) and (
-        torch.is_grad_enabled()
-    ):
-        return _ForwardOnly.apply(
-            keyset, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step
-        )
-    kernel = _direct_kernel(keyset)
-    if kernel is not None:
-        return kernel(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
-    return forward.redispatch(
-        keyset & _AFTER_AUTOGRAD, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        im2col_step,
+def _backward(ctx, grad_output):
+    raise RuntimeError(
+        "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot "
+        "flow through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
+        "torch.inference_mode(), or detach its inputs."
     )
 
 
 _lib.impl("forward", _forward_cpu, "CPU")
 _lib.impl("forward", _forward_cuda, "CUDA")
-_lib.impl("forward", _forward_autograd, "Autograd", with_keyset=True)
+_lib.impl("forward", _forward_other_device, "CompositeExplicitAutograd")
 torch.library.register_fake("cute_deform::forward", _forward_fake, lib=_lib)
+# With an input that requires grad, the output gets a grad_fn whose backward raises (_backward);
+# otherwise torch's autograd kernel passes the call down to the CPU / CUDA kernel.
+torch.library.register_autograd("cute_deform::forward", _backward, lib=_lib)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,8 @@
 """Host cost of the op layer of torch.ops.cute_deform.forward, piece by piece, on the CPU.
 
-    python3 scripts/op_overhead.py [--repeats 7] [--number 20000]
+    PYTHONPATH=. python3 scripts/op_overhead.py [--repeats 7] [--number 20000]
+
+(PYTHONPATH=. times this checkout's cute_deform rather than whichever one is installed.)
 
 Everything the op runs before it hands over to `hopper.interface.msda_forward` is Python on the host, and
 none of it needs a GPU: this times each piece on tiny CPU inputs (N=1, Lq=64, M=8, L=4, P=4, D=32,
@@ -11,8 +13,9 @@ the Deformable DETR levels) in microseconds per call, the median of --repeats ru
   capability probe answered from its cache, so what is timed is the op layer alone. "cuda-like" rows
   put value, sampling_locations and attention_weights on the meta device (the tests' stand-in for a
   GPU): with the level table on the CPU, the op checks its values and uses its cached device copy.
-- The dispatcher rows call torch.ops.cute_deform.forward on CPU tensors with the CPU reference
-  replaced by a stub, so what is timed is the dispatcher plus the op's CPU kernel minus the math.
+- The dispatcher rows call torch.ops.cute_deform.forward on CPU tensors with the CPU math (the
+  reference in older versions, `cute_deform.cpu.forward` now) replaced by a stub, so what is timed is
+  the dispatcher plus the op's CPU kernel minus the math.
 """
 from __future__ import annotations
 
@@ -72,10 +75,59 @@ def paired_difference_us(fn, baseline, number, repeats):
     return statistics.median(diffs)
 
 
+_REGISTRATIONS = []
+
+
+def public_routes(inputs, out):
+    """The same stub kernel (returns `out`) registered through each public torch.library route, as
+    {route: callable}: what the registration alone costs a call, without cute_deform's own code."""
+    schema = ("(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
+              "Tensor attention_weights, int im2col_step=64) -> Tensor")
+
+    def stub(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+        return out
+
+    def fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+        return value.new_empty(out.shape)
+
+    def backward(ctx, grad):
+        raise RuntimeError("forward only")
+
+    libs = {}
+    for name in ("register_autograd", "no_autograd"):
+        lib = libs[name] = torch.library.Library(f"cute_deform_route_{name}", "DEF")
+        lib.define("f" + schema)
+        lib.impl("f", stub, "CPU")
+        torch.library.register_fake(f"cute_deform_route_{name}::f", fake, lib=lib)
+    torch.library.register_autograd("cute_deform_route_register_autograd::f", backward,
+                                    lib=libs["register_autograd"])
+
+    @torch.library.custom_op("cute_deform_route_custom_op::f", mutates_args=())
+    def custom(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+               sampling_locations: torch.Tensor, attention_weights: torch.Tensor, im2col_step: int = 64
+               ) -> torch.Tensor:
+        return out
+
+    custom.register_fake(fake)
+    custom.register_autograd(backward)
+    _REGISTRATIONS.append(libs)  # a Library's registrations last as long as the object
+    ops = torch.ops
+    return {
+        "define/impl + register_autograd (the op's route)":
+            lambda: ops.cute_deform_route_register_autograd.f.default(*inputs),
+        "torch.library.custom_op + register_autograd":
+            lambda: ops.cute_deform_route_custom_op.f.default(*inputs),
+        "define/impl, no autograd kernel (floor; backward would pass through)":
+            lambda: ops.cute_deform_route_no_autograd.f.default(*inputs),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--number", type=int, default=20000)
+    parser.add_argument("--routes", action="store_true",
+                        help="also time a stub kernel through each public registration route")
     args = parser.parse_args()
 
     cpu = make_inputs()
@@ -87,7 +139,10 @@ def main():
     # Stubs: the math and the launch are not what is timed here.
     def stub_launch(value, *rest, **tuning):
         return out
-    op.ms_deform_attn_reference = lambda *a, **k: out
+    if hasattr(op, "cpu"):
+        op.cpu.forward = lambda *a, **k: out
+    else:  # the op layer before cute_deform/cpu.py
+        op.ms_deform_attn_reference = lambda *a, **k: out
     hopper.msda_forward = stub_launch
     hopper.available = lambda: True
     torch.cuda.get_device_capability = lambda index=None: (9, 0)
@@ -122,11 +177,11 @@ def main():
         lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
     row("kernel_unavailable_reason(0) (lru_cache hit)", lambda: op.kernel_unavailable_reason(0))
     row("5x .contiguous() (contiguous inputs)", lambda: [t.contiguous() for t in cpu])
-    row("op CPU kernel body (reference stubbed)", lambda: cpu_body(*cpu), "cpu_body")
+    row("op CPU kernel body (math stubbed)", lambda: cpu_body(*cpu), "cpu_body")
     row("op CUDA kernel body, cuda-like, CPU level table", lambda: op._forward_cuda(*cuda_like))
     row("op CUDA kernel body, everything on device", lambda: op._forward_cuda(*on_device), "cuda_body")
     row("op CUDA kernel body, CPU tensors", lambda: op._forward_cuda(*cpu))
-    row("torch.ops.cute_deform.forward (CPU, reference stubbed)", lambda: torch.ops.cute_deform.forward(*cpu), "op")
+    row("torch.ops.cute_deform.forward (CPU, math stubbed)", lambda: torch.ops.cute_deform.forward(*cpu), "op")
     with torch.no_grad():
         row("  same, under torch.no_grad()", lambda: torch.ops.cute_deform.forward(*cpu))
     with torch.inference_mode():
@@ -148,7 +203,12 @@ def main():
     rows.append(("= op layer on a GPU, estimated (dispatcher + CUDA kernel body on device)",
                  dispatch + timed["cuda_body"]))
 
+    if args.routes:
+        for name, call in public_routes(cpu, out).items():
+            row(f"stub kernel via {name}", call)
+
     width = max(len(name) for name, _ in rows)
+    print(f"cute_deform from {cute_deform.__file__}")
     print(f"torch {torch.__version__}; N={N} Lq={LQ} M={M} L={L} P={P} D={D}; median of {args.repeats} x "
           f"{args.number} calls")
     print(f"{'piece':<{width}}  us/call")

@@ -221,7 +221,10 @@ what that test observes otherwise, so it stays true. Do not edit it by hand.
 - **where checked**: `host` is Python before any launch (`cute_deform/_checks.py`), on every path,
   torch.compile's fake tensors included; `host, CPU level table` reads spatial_shapes /
   level_start_index, so it runs only when spatial_shapes lives on the CPU (reading a GPU tensor
-  would be a host sync); `device: sampling rule` needs no check: the original kernel's rule (a sample outside
+  would be a host sync); `host (dispatcher, op schema)` is torch's check of the op's schema before any of
+  cute_deform's code runs: a RuntimeError naming the argument for anything but a tensor or None (the
+  drop-in function and the reference functions raise a TypeError there, and None reaches the op's own
+  checks); `device: sampling rule` needs no check: the original kernel's rule (a sample outside
   (-1, H) x (-1, W), NaN included, adds 0 and ignores its weight) decides, on every path;
   `device: level_table` is the kernel's own check of GPU-resident level tables.
 - **outcome**: the exception with the first line of its message, or how the output compares with

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cute_deform import ms_deform_attn, ms_deform_attn_reference
+from cute_deform import ms_deform_attn, ms_deform_attn_grid_sample, ms_deform_attn_reference
 from cute_deform._checks import check_inputs
 from msda_testing import make_inputs
 
@@ -86,6 +86,16 @@ CASES = {
                                 lambda a: a["spatial_shapes"].tolist(), via_dispatcher=False),
     "locations-on-other-device": Case("sampling_locations", ValueError, r"expected device cpu \(the device of value\)",
                                       lambda a: a["sampling_locations"].to("meta")),
+    # None where a tensor belongs: the dispatcher passes it on to the op's checks.
+    **{f"None-{name}": Case(name, TypeError, r"expected a torch.Tensor, got NoneType", lambda a: None)
+       for name in ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")},
+    # Not a tensor at all: torch's dispatcher refuses it before the op's checks (see below).
+    **{f"float-{name}": Case(name, TypeError, r"expected a torch.Tensor, got float", lambda a: 1.0,
+                             via_dispatcher=False)
+       for name in ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")},
+    # No tensor at all: the op's kernel for other backends runs the checks.
+    "None-everywhere": Case("value", TypeError, r"expected a torch.Tensor, got NoneType",
+                            lambda a: dict.fromkeys(a)),
     # value moves, the rest stays on the CPU: the first tensor that disagrees with value is named.
     "value-on-other-device": Case("sampling_locations", ValueError, r"expected device meta \(the device of value\)",
                                   lambda a: {"value": a["value"].to("meta")}, via_dispatcher=False),
@@ -119,38 +129,65 @@ def test_torch_ops_directly(gen, case_id):
         torch.ops.cute_deform.forward(*args.values())
 
 
+@pytest.mark.parametrize("case_id", [c for c in CASES if c.startswith(("float-", "list-"))])
+def test_torch_ops_refuses_non_tensors_naming_the_argument(gen, case_id):
+    """Through torch.ops, torch checks the op's schema before any of cute_deform's code runs: its error is
+    a RuntimeError, which names the argument (the drop-in function raises a TypeError instead)."""
+    args, case = bad_inputs(gen, case_id)
+    bad = [name for name, t in args.items() if not isinstance(t, torch.Tensor)]
+    with pytest.raises(RuntimeError, match=rf"Expected a value of type 'Tensor' for argument '{bad[0]}'"):
+        torch.ops.cute_deform.forward(*args.values())
+
+
 @pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].via_dispatcher and not CASES[c].reads_values
                                      and "device" not in c])
 def test_fake_implementation(gen, case_id):
     """What torch.compile sees while tracing: shape and dtype errors surface at trace time."""
     args, case = bad_inputs(gen, case_id)
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(t) for t in args.values()]
+        fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args.values()]
         with pytest.raises(case.error, match=message(case)):
             torch.ops.cute_deform.forward(*fake)
 
 
+@pytest.mark.parametrize("reference", [ms_deform_attn_reference, ms_deform_attn_grid_sample], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("case_id", CASES)
-def test_reference(gen, case_id):
+def test_reference(gen, case_id, reference):
     args, case = bad_inputs(gen, case_id)
     if case.reference_accepts:
-        assert ms_deform_attn_reference(*args.values()).dtype == torch.float64
+        assert reference(*args.values(), out_dtype=torch.float64).dtype == torch.float64
         return
     with pytest.raises(case.error, match=message(case)):
-        ms_deform_attn_reference(*args.values())
+        reference(*args.values())
 
 
 def test_level_table_may_stay_on_the_cpu(gen):
     """value on another device (meta stands in for CUDA) with spatial_shapes / level_start_index on
-    the CPU is accepted, and S is still checked then, for free."""
+    the CPU is accepted, and S is still checked then, for free: by check_inputs, by the op (whose meta
+    kernel is its fake implementation) and by the drop-in function."""
     args = valid_inputs(gen)
     for name in ("value", "sampling_locations", "attention_weights"):
         args[name] = args[name].to("meta")
     shape = check_inputs(*args.values())
     assert (shape.batch, shape.num_keys, shape.num_levels, shape.num_points) == (2, 16, 2, 2)
+    assert torch.ops.cute_deform.forward(*args.values()).shape == (2, 3, 8)
+    short = dict(args, value=args["value"][:, 1:])
+    for run in (check_inputs, torch.ops.cute_deform.forward, ms_deform_attn):
+        with pytest.raises(ValueError, match=r"value: .*sum\(H\*W\) = 16"):
+            run(*short.values())
+    reversed_starts = dict(args, level_start_index=args["level_start_index"].flip(0))
+    with pytest.raises(ValueError, match=r"cute_deform: level_start_index: expected the running sum"):
+        torch.ops.cute_deform.forward(*reversed_starts.values())
+
+
+def test_fake_level_tables_are_never_read(gen):
+    """Under FakeTensorMode (torch.compile's tracing) the level tables are fake CPU tensors without
+    values: the fake implementation leaves them alone (reading one would raise), even where S is wrong."""
+    args = valid_inputs(gen)
     args["value"] = args["value"][:, 1:]
-    with pytest.raises(ValueError, match=r"value: .*sum\(H\*W\) = 16"):
-        check_inputs(*args.values())
+    with FakeTensorMode() as mode:
+        out = torch.ops.cute_deform.forward(*[mode.from_tensor(t) for t in args.values()])
+    assert out.shape == (2, 3, 8)
 
 
 def test_device_level_table_is_never_read(gen):

@@ -143,6 +143,12 @@ CASES = {
                          lambda a: dict(level_start_index=a["level_start_index"].int()), TypeError),
     "list-shapes": Case("spatial_shapes as a Python list", HOST_SCHEMA,
                         lambda a: dict(spatial_shapes=a["spatial_shapes"].tolist()), RuntimeError),
+    "float-value": Case("value as a Python float", HOST_SCHEMA, lambda a: dict(value=1.0), RuntimeError),
+    # None where a tensor belongs reaches the op's checks (the dispatcher passes it on).
+    **{f"{name}-None": Case(f"{name} None", HOST, lambda a, name=name: {name: None}, TypeError)
+       for name in ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")},
+    "all-None": Case("every tensor argument None (no tensor to dispatch on)", HOST,
+                     lambda a: dict.fromkeys(a), TypeError),
     # Devices: meta stands in for a second device.
     "loc-device": Case("sampling_locations on another device than value (meta for cuda)", HOST,
                        lambda a: dict(sampling_locations=a["sampling_locations"].to("meta")), ValueError),
@@ -150,6 +156,18 @@ CASES = {
                          lambda a: dict(value=a["value"].to("meta")), ValueError),
     "shapes-device": Case("spatial_shapes on a device (meta) that is neither value's nor the CPU", HOST,
                           lambda a: dict(spatial_shapes=a["spatial_shapes"].to("meta")), ValueError),
+    # value on a device (meta) with the level table on the CPU: the meta kernel reads the table too.
+    "S-short-meta-value": Case("S = sum(H*W) - 1 with value, sampling_locations, attention_weights on meta and "
+                               "the level table on the CPU", HOST_LEVELS, lambda a: {
+                                   name: (t[:, :-1] if name == "value" else t).to("meta")
+                                   for name, t in a.items() if name in ("value", "sampling_locations",
+                                                                        "attention_weights")}, ValueError),
+    "starts-reversed-meta-value": Case("level_start_index reversed with value, sampling_locations, attention_weights "
+                                       "on meta and the level table on the CPU", HOST_LEVELS, lambda a: dict(
+                                           level_start_index=a["level_start_index"].flip(0),
+                                           **{name: a[name].to("meta") for name in ("value", "sampling_locations",
+                                                                                    "attention_weights")}),
+                                       ValueError),
     # The host cannot read a level table on the GPU: it passes, and the kernel decides.
     "S-short-off-cpu": Case("S = sum(H*W) - 1 with every tensor off the CPU (meta for cuda)",
                             "device: level_table (GPU section)", lambda a: {
