@@ -4,7 +4,7 @@ reference (first image, outputs poisoned), then timed (do_bench median). The pre
 compare.py's, shuffled queries included.
 
     python scripts/tune.py                                        # the defaults on every preset
-    python scripts/tune.py --sweep ",num_groups=4,window_fraction=0,packed=0" --presets seed-b48,seed-b48-shuffled
+    python scripts/tune.py --sweep ",num_groups=4,window_fraction=0" --presets seed-b48,seed-b48-shuffled
     python scripts/tune.py --precompile --sweep ...               # only fill the kernel cache (no GPU needed)
 
 A variant is a ':'-separated list of knob=value of cute_deform.hopper.interface (TUNING, window_fraction,
@@ -33,7 +33,7 @@ def parse_variant(spec: str) -> dict:
     for item in filter(None, spec.split(":")):
         key, value = item.split("=")
         out[key] = float(value) if "." in value else int(value) if value.lstrip("-").isdigit() else value
-    for key in ("packed", "generic", "l1_first"):
+    for key in ("generic", "l1_first"):
         if key in out:
             out[key] = bool(out[key])
     return out

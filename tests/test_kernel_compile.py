@@ -33,7 +33,6 @@ VARIANTS = [
     ("boxes-cluster2-fp32", tiled("float32", "float16", "float32", 4, 3, 2, 32, fine_gather="tma", num_groups=2,
                                   num_stages=4)),
     ("fp32-d64-l1p1", tiled("float32", "float32", "float32", 1, 1, 1, 64)),
-    ("unpacked-fp16", tiled("float16", "float32", "float32", 8, 4, 4, 32, packed=False)),
     ("d48-idle-threads", tiled("float16", "float32", "float32", 8, 4, 4, 48)),
     ("inputs-from-global", tiled("float16", "float32", "float32", 8, 3, 3, 32)),
     ("fused-xy", tiled("float16", "float32", "float32", 8, 4, 4, 32, fused=True, ref_dims=2)),
@@ -84,11 +83,10 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
     # Staged pixels (and boxes) are read as 16-byte vectors.
     assert "ld.shared.v4" in ptx
-    # fp16 value: the four-corner sums in packed half arithmetic unless turned off.
-    packed = re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx) is not None
+    # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
     if cfg.value_dtype == "float16":
-        assert packed == cfg.packed
-    if cfg.value_dtype == "bfloat16" and cfg.packed:
+        assert re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx)
+    if cfg.value_dtype == "bfloat16":
         assert re.search(r"\b(fma|mul)(\.rn)?\.bf16x2", ptx)
     # The fused kernel computes the softmax: exponentials on the device.
     assert ("ex2.approx" in ptx) == cfg.fused

@@ -21,14 +21,13 @@ BOUND = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 # others are small, odd, and include H = 1 and W = 1.
 LEVELS = [(40, 57), (13, 17), (7, 1), (1, 9), (5, 6)]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Variants of the tiled kernel: the default, per-sample TMA boxes, no multicast, no staging, fp32
-# corner sums; and the generic kernel on shapes the tiled one takes.
+# Variants of the tiled kernel: the default, per-sample TMA boxes, no multicast, no staging; and the
+# generic kernel on shapes the tiled one takes.
 VARIANTS = {
     "default": {},
     "boxes": dict(fine_gather="tma", num_groups=3, num_stages=4),
     "nocluster": dict(cluster_size=1),
     "nostage": dict(stage_bytes=0, cluster_size=1),
-    "unpacked": dict(packed=False),
     "generic": dict(generic=True),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
@@ -47,7 +46,7 @@ def cases():
     for L, P in ((1, 1), (2, 2), (3, 3), (1, 16), (5, 16), (5, 1), (6, 4), (4, 20)):
         out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant="default"))
     # The remaining variants.
-    for variant in ("nocluster", "nostage", "unpacked", "generic"):
+    for variant in ("nocluster", "nostage", "generic"):
         for vname in ("fp32", "fp16", "bf16"):
             out.append(dict(value=vname, loc="fp16", D=32, L=5, P=8, M=8, variant=variant))
     return out

@@ -37,7 +37,7 @@ from .generic import GenericConfig
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
-TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2, packed=True)
+TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
 # Launch knobs: the share of L2 that one round of the schedule may spread over (0: one round), and
 # the shortest range a cluster takes in a round, in tiles per group.
 WINDOW_L2_FRACTION = 0.5
