@@ -11,8 +11,8 @@ clamped into the level. They are 0 for a corner outside the level and for a whol
 first. What this leaves out is a non-finite factor meeting a zero weight (a NaN or inf attention
 weight on a skipped sample, a NaN or inf value under a zero weight): the product is NaN where the
 rule says 0. Any output row that is not finite is therefore recomputed with the exact reference
-(`ms_deform_attn_reference` in fp32), so those rows follow the rule exactly too; finite inputs never
-take that path.
+(`ms_deform_attn_reference` in fp32), so those rows follow the rule exactly too; inputs without NaN or
+inf never take that path (short of an overflow).
 """
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from .reference import ms_deform_attn_reference
 _F32 = torch.float32
 # Samples (query, head, level, point) per chunk: each working tensor stays a few MB, reused by the
 # allocator from chunk to chunk (fresh large allocations would cost a page fault per 4 KB).
-SAMPLES_PER_CHUNK = 1 << 17
+SAMPLES_PER_CHUNK = 1 << 18
+# Bound on the fp32 table of a chunk of whole images (a copy where value is not contiguous fp32).
+TABLE_BYTES_PER_CHUNK = 1 << 26
 # Tables up to this many rows are indexed with int32 (half the index memory traffic of int64).
 INT32_ROWS = 2**31 - 1
 
@@ -35,8 +37,15 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     levels: [(H, W, start), ...], the level table as validated (read once by the caller)."""
     N, S, M, D = value.shape
     Lq, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
-    table = value.to(_F32).contiguous().view(N * S * M, D)  # no copy for contiguous fp32 value
-    index_dtype = torch.int32 if N * S * M <= INT32_ROWS else torch.int64
+    # A chunk is a run of queries of one image, or whole images when images have few queries. Its
+    # table is its images' rows of value: a view of fp32 value, else an fp32 copy of those images only
+    # (one buffer, reused from chunk to chunk).
+    rows_per_image = S * M
+    images_per_chunk = max(1, min(SAMPLES_PER_CHUNK // (Lq * M * L * P), TABLE_BYTES_PER_CHUNK // (rows_per_image * D * 4)))
+    queries_per_chunk = max(1, SAMPLES_PER_CHUNK // (M * L * P))
+    copy_table = value.dtype != _F32 or not value.is_contiguous()
+    table_buffer = torch.empty((images_per_chunk * rows_per_image, D), dtype=_F32) if copy_table else None
+    index_dtype = torch.int32 if images_per_chunk * rows_per_image <= INT32_ROWS else torch.int64
 
     # Per-(head, level, point) constants, materialized so that every elementwise op below runs over a
     # long contiguous inner dimension (a broadcast along P or the (x, y) pair would not vectorize).
@@ -65,40 +74,60 @@ def forward(value, spatial_shapes, level_start_index, sampling_locations, attent
     locations = sampling_locations.flatten(0, 1)  # (N*Lq, M, L, P, 2)
     weights = attention_weights.flatten(0, 1)  # (N*Lq, M, L, P)
     out = torch.empty((N * Lq * M, D), dtype=_F32)
-    rows_per_chunk = max(1, SAMPLES_PER_CHUNK // (M * L * P))
-    for first in range(0, N * Lq, rows_per_chunk):
-        end = min(first + rows_per_chunk, N * Lq)
-        B = end - first
-        # h = y*H - 0.5, w = x*W - 0.5, as (2, B, M, L, P): x plane, then y plane.
-        pos = torch.mul(locations[first:end].movedim(-1, 0), size)
-        pos.sub_(0.5).nan_to_num_(nan=-2.0)  # NaN: outside; +-inf: +-max float, outside
-        lower = pos.floor().clamp_(min=0).clamp_(max=last_lower)
-        offset = pos.sub_(lower)  # from the lower corner's pixel (exact: both are close floats)
-        corner_weight = torch.empty((2, B, M, 2, L, P), dtype=_F32)
-        lower_weight, upper_weight = corner_weight[:, :, :, 0], corner_weight[:, :, :, 1]
-        # max(0, 1 - |offset|) and max(0, min(offset, 2 - offset)): in the level these round as the
-        # reference's 1 - l and l do (l the fractional part), and they are 0 for a corner or sample outside.
-        torch.abs(offset, out=lower_weight).neg_().add_(1).clamp_(min=0)
-        torch.minimum(offset, torch.rsub(offset, 2), out=upper_weight).clamp_(min=0)
-        if upper_mask is not None:
-            upper_weight.mul_(upper_mask)
-
-        pixel = lower.to(index_dtype)
-        image = torch.arange(first, end, dtype=index_dtype).div_(Lq, rounding_mode="floor").mul_(S * M)
-        row = torch.mul(pixel[1], row_stride).add_(pixel[0], alpha=M).add_(image.view(B, 1, 1, 1))
-        index = row.unsqueeze(2) + corner_row  # (B, M, 4, L, P)
-
-        y_weight = corner_weight[1].mul_(weights[first:end].unsqueeze(2))  # attention weight folded into y
-        bilinear = y_weight.unsqueeze(3) * corner_weight[0].unsqueeze(2)  # (B, M, 2, 2, L, P), corners as index
-        out[first * M:end * M] = F.embedding_bag(
-            index.view(B * M, 4 * L * P), table, per_sample_weights=bilinear.view(B * M, 4 * L * P), mode="sum"
-        )
+    for first_image in range(0, N, images_per_chunk):
+        images = min(images_per_chunk, N - first_image)
+        if copy_table:
+            table = table_buffer[:images * rows_per_image]
+            table.view(images, S, M, D).copy_(value[first_image:first_image + images])
+        else:
+            table = value[first_image:first_image + images].view(images * rows_per_image, D)
+        if images > 1:  # one chunk; each query's rows start at its image's first row in the table
+            image_row = torch.arange(images, dtype=index_dtype).mul_(rows_per_image).repeat_interleave(Lq)
+            spans = [(first_image * Lq, (first_image + images) * Lq, image_row.view(-1, 1, 1, 1))]
+        else:
+            spans = [(first_image * Lq + query, first_image * Lq + min(query + queries_per_chunk, Lq), None)
+                     for query in range(0, Lq, queries_per_chunk)]
+        for first, end, image_row in spans:
+            out[first * M:end * M] = _chunk(
+                table, locations[first:end], weights[first:end], image_row, size, last_lower, upper_mask,
+                row_stride, corner_row, index_dtype,
+            )
 
     out = out.view(N * Lq, M * D)
     if not torch.isfinite(out.sum()):
         _recompute_non_finite_rows(out, value, spatial_shapes, level_start_index, sampling_locations,
                                    attention_weights)
     return out.view(N, Lq, M * D).to(value.dtype)
+
+
+def _chunk(table, locations, weights, image_row, size, last_lower, upper_mask, row_stride, corner_row, index_dtype):
+    """Output rows (B*M, D) of B queries: locations (B, M, L, P, 2), weights (B, M, L, P); image_row
+    (B, 1, 1, 1), each query's image's first row in table, or None for one image."""
+    B, M, L, P, _ = locations.shape
+    # h = y*H - 0.5, w = x*W - 0.5, as (2, B, M, L, P): x plane, then y plane.
+    pos = torch.mul(locations.movedim(-1, 0), size)
+    pos.sub_(0.5).nan_to_num_(nan=-2.0)  # NaN: outside; +-inf: +-max float, outside
+    lower = pos.floor().clamp_(min=0).clamp_(max=last_lower)
+    offset = pos.sub_(lower)  # from the lower corner's pixel (exact for a sample in the level)
+    corner_weight = torch.empty((2, B, M, 2, L, P), dtype=_F32)
+    lower_weight, upper_weight = corner_weight[:, :, :, 0], corner_weight[:, :, :, 1]
+    # max(0, 1 - |offset|) and max(0, min(offset, 2 - offset)): in the level these round as the
+    # reference's 1 - l and l do (l the fractional part), and they are 0 for a corner or sample outside.
+    torch.abs(offset, out=lower_weight).neg_().add_(1).clamp_(min=0)
+    torch.minimum(offset, torch.rsub(offset, 2), out=upper_weight).clamp_(min=0)
+    if upper_mask is not None:
+        upper_weight.mul_(upper_mask)
+
+    pixel = lower.to(index_dtype)
+    row = torch.mul(pixel[1], row_stride).add_(pixel[0], alpha=M)
+    if image_row is not None:
+        row.add_(image_row)
+    index = row.unsqueeze(2) + corner_row  # (B, M, 4, L, P)
+
+    y_weight = corner_weight[1].mul_(weights.unsqueeze(2))  # attention weight folded into y
+    bilinear = y_weight.unsqueeze(3) * corner_weight[0].unsqueeze(2)  # (B, M, 2, 2, L, P), corners as index
+    return F.embedding_bag(index.view(B * M, 4 * L * P), table, per_sample_weights=bilinear.view(B * M, 4 * L * P),
+                           mode="sum")
 
 
 def _recompute_non_finite_rows(out, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):

@@ -5,8 +5,9 @@
                                              [--impls op,grid_sample,reference_fp32] [--threads N] [--no-check]
 
 Each implementation is first checked against the float64 reference (||out - ref|| / ||ref||), then
-timed: one warm-up call, then --repeats calls; the table gives the median and the fastest in ms, and
-the median's ratio to grid_sample's. Progress goes to stderr, the table to stdout. Inputs are the
+timed: one warm-up call each, then --repeats rounds calling each implementation once in turn (on a
+shared machine, load from other processes then falls on all alike); the table gives the median and
+the fastest in ms, and the median's ratio to grid_sample's. Progress goes to stderr, the table to stdout. Inputs are the
 demo's (`cute_deform.demo.make_inputs`, fixed seed); locations and weights are fp32.
 """
 from __future__ import annotations
@@ -34,14 +35,18 @@ def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def time_calls(fn, args, repeats: int, label: str) -> list[float]:
-    fn(*args)  # warm-up
-    times = []
+def time_round_robin(impls: list[str], args, repeats: int, label: str) -> dict[str, list[float]]:
+    """ms per call of each implementation: one warm-up call each, then `repeats` rounds that call each
+    once in turn, so that load from other processes falls on all of them alike."""
+    for impl in impls:
+        IMPLS[impl](*args)
+    times = {impl: [] for impl in impls}
     for i in range(repeats):
-        begin = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - begin) * 1e3)
-        progress(f"  {label}: call {i + 1}/{repeats}: {times[-1]:.1f} ms")
+        for impl in impls:
+            begin = time.perf_counter()
+            IMPLS[impl](*args)
+            times[impl].append((time.perf_counter() - begin) * 1e3)
+        progress(f"  {label} round {i + 1}/{repeats}: " + ", ".join(f"{impl} {times[impl][-1]:.1f} ms" for impl in impls))
     return times
 
 
@@ -76,19 +81,19 @@ def main() -> int:
         if not opts.no_check:
             progress(f"[{preset_name}] float64 reference (for the check)")
             reference = ms_deform_attn_reference(*args, out_dtype=torch.float64)
-        results = {}
-        for impl in impls:
-            progress(f"[{preset_name}] {impl}")
-            error = None
-            if reference is not None:
+        errors = dict.fromkeys(impls)
+        if reference is not None:
+            for impl in impls:
+                progress(f"[{preset_name}] {impl}: check")
                 out = IMPLS[impl](*args)
-                error = ((out.double() - reference).norm() / reference.norm()).item()
+                errors[impl] = ((out.double() - reference).norm() / reference.norm()).item()
                 del out
-            results[impl] = (time_calls(IMPLS[impl], args, opts.repeats, f"{preset_name} {impl}"), error)
-        baseline = statistics.median(results["grid_sample"][0]) if "grid_sample" in results else None
-        for impl, (times, error) in results.items():
-            median = statistics.median(times)
-            rows.append((preset_name, impl, f"{median:.1f}", f"{min(times):.1f}",
+        progress(f"[{preset_name}] timing")
+        times = time_round_robin(impls, args, opts.repeats, preset_name)
+        baseline = statistics.median(times["grid_sample"]) if "grid_sample" in times else None
+        for impl in impls:
+            median, error = statistics.median(times[impl]), errors[impl]
+            rows.append((preset_name, impl, f"{median:.1f}", f"{min(times[impl]):.1f}",
                          "" if baseline is None else f"{baseline / median:.2f}x",
                          "" if error is None else f"{error:.1e}"))
 

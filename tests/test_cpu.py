@@ -1,5 +1,5 @@
 """The op's CPU kernel (cute_deform/cpu.py) against the float64 reference: border and special
-locations, non-finite locations, weights and values, chunks that straddle images, both index widths."""
+locations, non-finite locations, weights and values, every way of chunking, both index widths."""
 import math
 
 import pytest
@@ -90,13 +90,20 @@ def test_non_finite_weights_values_and_locations(gen, case):
         assert rel_err(out[finite], ref[finite]) < 1e-5
 
 
-def test_chunks_that_straddle_images_give_the_same_output(gen, monkeypatch):
-    """A chunk of a few queries (not a divisor of Lq) gives bit for bit the output of one chunk."""
-    args = make_inputs(gen, LEVELS, batch=3, queries=7, heads=2, head_dim=5, points=3, dtype=torch.float32)
-    whole = op(*args)
+@pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
+def test_chunking_does_not_change_the_output(gen, monkeypatch, value_dtype):
+    """Chunks of several images (the default here), of one image (a small table bound) and of a few
+    queries of one image (not a divisor of Lq) give bit for bit the same output; fp16 value takes the
+    fp32 table copy, fp32 value a view."""
+    args = make_inputs(gen, LEVELS, batch=3, queries=7, heads=2, head_dim=5, points=3, dtype=value_dtype,
+                       loc_dtype=torch.float32, attn_dtype=torch.float32)
+    several_images = op(*args)
+    monkeypatch.setattr(cpu, "TABLE_BYTES_PER_CHUNK", 1)
+    one_image = op(*args)
     monkeypatch.setattr(cpu, "SAMPLES_PER_CHUNK", 2 * 2 * len(LEVELS) * 3)  # 2 queries a chunk
-    assert torch.equal(op(*args), whole)
-    assert rel_err(whole, ms_deform_attn_reference(*args)) < 1e-6
+    two_queries = op(*args)
+    assert torch.equal(one_image, several_images) and torch.equal(two_queries, several_images)
+    assert rel_err(several_images, ms_deform_attn_reference(*args)) < max(1e-6, torch.finfo(value_dtype).eps)
 
 
 def test_int64_indices_give_the_same_output(gen, monkeypatch):
