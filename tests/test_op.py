@@ -168,7 +168,7 @@ def test_no_grad_and_inference_mode_give_the_same_output(gen):
     with torch.no_grad():
         out = torch.ops.cute_deform.forward(value, *args[1:])
     assert not out.requires_grad and torch.equal(out, expected)
-    with torch.inference_mode():  # the dispatcher skips the op's Autograd kernel here
+    with torch.inference_mode():  # the dispatcher skips the autograd layer here
         assert torch.equal(torch.ops.cute_deform.forward(*args), expected)
         assert torch.equal(ms_deform_attn(*args), expected)
 
