@@ -159,6 +159,10 @@ CASES = {
        for name in ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")},
     "all-None": Case("every tensor argument None (no tensor to dispatch on)", HOST,
                      lambda a: dict.fromkeys(a), TypeError),
+    "value-sparse": Case("value a sparse COO tensor", HOST, lambda a: dict(value=a["value"].to_sparse()),
+                         NotImplementedError),
+    "shapes-sparse": Case("spatial_shapes a sparse COO tensor", HOST,
+                          lambda a: dict(spatial_shapes=a["spatial_shapes"].to_sparse()), NotImplementedError),
     # Devices: meta stands in for a second device.
     "loc-device": Case("sampling_locations on another device than value (meta for cuda)", HOST,
                        lambda a: dict(sampling_locations=a["sampling_locations"].to("meta")), ValueError),
