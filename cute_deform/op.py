@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from . import cpu
-from ._checks import validate
+from ._checks import OP_NAMES, validate
 from .reference import ms_deform_attn_grid_sample
 
 SCHEMA = (
@@ -39,7 +39,8 @@ class SlowPathWarning(UserWarning):
 
 
 # torch.library's define/impl rather than torch.library.custom_op: custom_op wraps every call in
-# several more layers of Python (a per-device wrapper, an aliasing check), ~5 us more host time a call.
+# more layers of Python (a per-device wrapper, an aliasing check), ~8 us more host time a call
+# (scripts/op_overhead.py --routes).
 _lib = torch.library.Library("cute_deform", "FRAGMENT")
 _lib.define("forward" + SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
 forward = torch.ops.cute_deform.forward.default
@@ -140,9 +141,14 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations, 
 
 def _forward_other_device(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                           im2col_step=64):
-    """What the dispatcher runs where no kernel above applies: tensors on another backend (MPS, XPU, ...),
-    or no tensor at all (every tensor argument None). Bad arguments get their usual named error."""
-    validate(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, check_values=False)
+    """What the dispatcher runs where no kernel above applies: tensors on another backend (MPS, XPU, ...)
+    or of another layout (sparse), or no tensor at all (every tensor argument None). Bad arguments get
+    their usual named error."""
+    tensors = (value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    validate(*tensors, check_values=False)
+    for name, tensor in zip(OP_NAMES, tensors):
+        if tensor.layout != torch.strided:
+            raise NotImplementedError(f"cute_deform: {name}: expected a dense (strided) tensor, got layout {tensor.layout}")
     raise NotImplementedError(
         f"cute_deform: value: expected a tensor on the CPU or a CUDA device, got device {value.device}"
     )

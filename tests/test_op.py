@@ -169,7 +169,7 @@ def test_no_grad_and_inference_mode_give_the_same_output(gen):
     with torch.no_grad():
         out = torch.ops.cute_deform.forward(value, *args[1:])
     assert not out.requires_grad and torch.equal(out, expected)
-    with torch.inference_mode():  # the dispatcher skips the op's Autograd kernel here
+    with torch.inference_mode():  # the dispatcher skips the autograd layer here
         assert torch.equal(torch.ops.cute_deform.forward(*args), expected)
         assert torch.equal(ms_deform_attn(*args), expected)
 
@@ -222,3 +222,15 @@ def test_kernel_for_other_backends_names_value_device(gen):
         op._forward_other_device(*args)
     with pytest.raises(TypeError, match=r"cute_deform: sampling_locations: expected a torch.Tensor, got NoneType"):
         op._forward_other_device(args[0], args[1], args[2], None, args[4])
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_sparse_inputs_are_named(gen, index):
+    """A sparse tensor dispatches to the op's kernel for other backends, which names it."""
+    from cute_deform._checks import OP_NAMES
+
+    args = list(make_inputs(gen, LEVELS, dtype=torch.float32))
+    args[index] = args[index].to_sparse()
+    with pytest.raises(NotImplementedError, match=rf"^cute_deform: {OP_NAMES[index]}: expected a dense \(strided\) "
+                                                  r"tensor, got layout torch.sparse_coo$"):
+        torch.ops.cute_deform.forward(*args)
