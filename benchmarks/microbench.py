@@ -218,7 +218,7 @@ def section_cluster(ext, log, watchdog: float) -> bool:
                                    "local"), torch.float16, 0),
     ]
     for label, shape, dtype, cluster_size in configs:
-        value, ss, ls, loc, attn = compare.make_inputs(shape, dtype, g)
+        (value, ss, ls, loc, attn), _ = compare.make_inputs(shape, dtype, g)
         shapes, starts = baselines.host_levels(ss, ls)
         out = torch.full((shape.N, shape.Lq, shape.M * shape.D), float("nan"), dtype=dtype, device="cuda")
         try:

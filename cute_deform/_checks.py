@@ -77,6 +77,19 @@ def _check_dtype(t: torch.Tensor, name: str, allowed: tuple[torch.dtype, ...]) -
         raise TypeError(f"cute_deform: {name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
 
 
+def _check_devices(value: torch.Tensor, n_value: str, per_query, tables) -> None:
+    """Per-query tensors on value's device; level tables there or on the CPU. Pairs of (tensor, name)."""
+    device = value.device
+    for t, name in per_query:
+        if t.device != device:
+            raise ValueError(f"cute_deform: {name}: expected device {device} (the device of {n_value}), got {t.device}")
+    for t, name in tables:
+        if t.device != device and t.device.type != "cpu":
+            raise ValueError(
+                f"cute_deform: {name}: expected device {device} (the device of {n_value}) or cpu, got {t.device}"
+            )
+
+
 def _check_size(got, want, name: str, what: str, dim: int, t: torch.Tensor, source: str) -> None:
     if got != want:
         raise ValueError(
@@ -225,15 +238,8 @@ def _detailed_checks(value, spatial_shapes, level_start_index, sampling_location
     _check_dtype(sampling_locations, n_loc, float_dtypes)
     _check_dtype(attention_weights, n_attn, float_dtypes)
 
-    device = value.device
-    for t, name in ((sampling_locations, n_loc), (attention_weights, n_attn)):
-        if t.device != device:
-            raise ValueError(f"cute_deform: {name}: expected device {device} (the device of {n_value}), got {t.device}")
-    for t, name in ((spatial_shapes, n_shapes), (level_start_index, n_starts)):
-        if t.device != device and t.device.type != "cpu":
-            raise ValueError(
-                f"cute_deform: {name}: expected device {device} (the device of {n_value}) or cpu, got {t.device}"
-            )
+    _check_devices(value, n_value, ((sampling_locations, n_loc), (attention_weights, n_attn)),
+                   ((spatial_shapes, n_shapes), (level_start_index, n_starts)))
 
     batch, num_keys, num_heads, head_dim = value.shape
     num_queries = sampling_locations.shape[1]
@@ -415,15 +421,8 @@ def _fused_detailed_checks(value, spatial_shapes, level_start_index, reference_p
     _check_dtype(sampling_offsets, n_off, float_dtypes)
     _check_dtype(attention_logits, n_logits, float_dtypes)
 
-    device = value.device
-    for t, name in ((reference_points, n_ref), (sampling_offsets, n_off), (attention_logits, n_logits)):
-        if t.device != device:
-            raise ValueError(f"cute_deform: {name}: expected device {device} (the device of {n_value}), got {t.device}")
-    for t, name in ((spatial_shapes, n_shapes), (level_start_index, n_starts)):
-        if t.device != device and t.device.type != "cpu":
-            raise ValueError(
-                f"cute_deform: {name}: expected device {device} (the device of {n_value}) or cpu, got {t.device}"
-            )
+    _check_devices(value, n_value, ((reference_points, n_ref), (sampling_offsets, n_off), (attention_logits, n_logits)),
+                   ((spatial_shapes, n_shapes), (level_start_index, n_starts)))
 
     batch, num_keys, num_heads, head_dim = value.shape
     num_queries = reference_points.shape[1]

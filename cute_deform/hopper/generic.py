@@ -84,7 +84,7 @@ class MSDAGeneric:
         grid = cute.arch.grid_dim()[0]
         N, S = mValue.shape[0], mValue.shape[1]
         Lq = mLoc.shape[1]
-        M, D, C, P, LP = self.M, self.D, self.C, self.P, self.LP
+        M, D, C, P = self.M, self.D, self.C, self.P
         e = self.cfg.itemsize
         pixel_bytes = M * D * e
         # A level that does not fit in value turns the output NaN (and is read as a 1x1 level).

@@ -32,7 +32,7 @@ except Exception as exc:  # the package works without the DSL, through the refer
     _DSL_ERROR = exc
 
 from . import tile_scheduler
-from .config import ITEMSIZE, TARGET_ARCH, KernelConfig, tiled_kernel_fits
+from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

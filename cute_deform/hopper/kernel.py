@@ -18,8 +18,6 @@ into its own slot of a small workspace. A level table that does not fit in value
 """
 from __future__ import annotations
 
-import math
-
 try:
     import cutlass
     import cutlass.cute as cute
