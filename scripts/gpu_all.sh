@@ -27,10 +27,13 @@ step() {  # name max_seconds command...
 }
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader >"$OUT/device.txt"
 # The peers build while the CuTe kernels compile and run.
-(python3 scripts/baselines.py >"$OUT/build-baselines.log" 2>&1; python3 scripts/peers.py >"$OUT/build-dcnv4.log" 2>&1) &
-BUILDS=$!
+BUILDS=
+case " $STEPS " in *" compare "*)
+    (python3 scripts/baselines.py >"$OUT/build-baselines.log" 2>&1; python3 scripts/peers.py >"$OUT/build-dcnv4.log" 2>&1) &
+    BUILDS=$! ;;
+esac
 step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
-wait $BUILDS
+[ -n "$BUILDS" ] && wait $BUILDS
 step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
 step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
