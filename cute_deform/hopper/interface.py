@@ -120,7 +120,6 @@ def _fake_args(cfg):
         ref if cfg.fused else _row_major(ldt, (n, lq, M, L, P, 2), 16),
         _row_major(vdt, (n, lq, M * D), 16),
         _row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128),
-        _row_major(vdt, (D,), 16),
     ]
     return args + [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0)]
 
@@ -300,16 +299,6 @@ def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
     return plan
 
 
-_zero_vectors: dict = {}
-
-
-def _zeros(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    key = (D, dtype, device)
-    if key not in _zero_vectors:
-        _zero_vectors[key] = torch.zeros(D, dtype=dtype, device=device)
-    return _zero_vectors[key]
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -379,6 +368,6 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
             plan.l1_first_plan = _plan_for(value, loc, attn, ref, {**tuning, "l1_first": True})
         plan = plan.l1_first_plan
     maps = torch.empty((grid, cfg.map_slots, 16), dtype=torch.int64, device=device)
-    plan.fn(value, shapes, starts, loc, attn, third, out, maps, _zeros(D, value.dtype, device), grid,
+    plan.fn(value, shapes, starts, loc, attn, third, out, maps, grid,
             schedule.rounds, int(schedule.whole))
     return out

@@ -87,7 +87,6 @@ class MSDAForward:
         mRef: cute.Tensor,  # fused: (N, Lq, L, 2 or 4) reference points (unfused: unused)
         mOut: cute.Tensor,  # (N, Lq, M*D): the op's output as is
         mDesc: cute.Tensor,  # (grid, map_slots, 16) int64: tensor-map slots of each CTA
-        mZero: cute.Tensor,  # (D,) zeros: where an out-of-level corner of an L1 gather reads
         grid_size: cutlass.Int32,
         rounds: cutlass.Int32,
         whole: cutlass.Int32,
@@ -138,7 +137,7 @@ class MSDAForward:
         self.shared_storage = SharedStorage
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mShapes,
-                    mStarts, mLoc, mAttn, mRef, mOut, mDesc, mZero, num_tiles, rounds, whole).launch(
+                    mStarts, mLoc, mAttn, mRef, mOut, mDesc, num_tiles, rounds, whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -152,7 +151,7 @@ class MSDAForward:
     @cute.kernel
     def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
                box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor, mStarts: cute.Tensor, mLoc: cute.Tensor,
-               mAttn: cute.Tensor, mRef: cute.Tensor, mOut: cute.Tensor, mDesc: cute.Tensor, mZero: cute.Tensor,
+               mAttn: cute.Tensor, mRef: cute.Tensor, mOut: cute.Tensor, mDesc: cute.Tensor,
                num_tiles: cutlass.Int64, rounds: cutlass.Int32, whole: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -224,7 +223,7 @@ class MSDAForward:
                           rounds, sizes, starts, staged, offsets, used, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
-            self.consumer(g, mValue, mLoc, mAttn, mRef, mOut, mZero, storage, input_rings, box_rings, staging,
+            self.consumer(g, mValue, mLoc, mAttn, mRef, mOut, storage, input_rings, box_rings, staging,
                           scheduler, rounds, rank, tidx - g * self.consumer_threads)
         if cutlass.const_expr(self.cluster > 1):
             # Neither CTA of a pair exits while the other may still multicast into it.
@@ -417,7 +416,7 @@ class MSDAForward:
     # Consumer warps
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, g, mValue, mLoc, mAttn, mRef, mOut, mZero, storage, input_rings, box_rings, staging,
+    def consumer(self, g, mValue, mLoc, mAttn, mRef, mOut, storage, input_rings, box_rings, staging,
                  scheduler, rounds, rank, tidx):
         Lq = mLoc.shape[1]
         sLevels = self.level_table_in(storage)
@@ -457,7 +456,7 @@ class MSDAForward:
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref)
-                        box_state = self.gather_tile(acc, inputs, mValue, mZero, sStaged, sLevels, staging, box_rings,
+                        box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
                                                      box_state, storage, segment, n, m, read_slot, chunk)
                     if cutlass.const_expr(self.prefetch):
                         input_rings.release(input_state)
@@ -473,7 +472,7 @@ class MSDAForward:
                 segment += 1
 
     @cute.jit
-    def gather_tile(self, acc, inputs, mValue, mZero, sStaged, sLevels, staging, box_rings, box_state, storage,
+    def gather_tile(self, acc, inputs, mValue, sStaged, sLevels, staging, box_rings, box_state, storage,
                     segment, n, m, slot, chunk):
         """Every level and point of this thread's query into acc. With L1 gathers the staged levels
         come first (they need the staging to have landed), unless l1_first; with per-sample boxes the
@@ -486,7 +485,7 @@ class MSDAForward:
             for level in cutlass.range_constexpr(self.L):
                 H, W, start, offset = self.level_row(sLevels, level)
                 if offset < 0:
-                    self.gather_level_l1(acc, inputs, mValue, mZero, start, H, W, n, m, level, chunk)
+                    self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
         if cutlass.const_expr(not self.boxes and self.cfg.l1_first):
             self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
         return box_state
@@ -514,7 +513,7 @@ class MSDAForward:
                 self.gather_points(acc, inputs.level(level, H, W), H, W, top_left, corner)
 
     @cute.jit
-    def gather_level_l1(self, acc, inputs, mValue, mZero, start, H, W, n, m, level: int, chunk):
+    def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk):
         """All points of one level straight from global memory with 16-byte loads, which L1 caches:
         neighbouring queries of a tile read overlapping footprints."""
         S = mValue.shape[1]
