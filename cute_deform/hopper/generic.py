@@ -19,7 +19,7 @@ except Exception:
     pass
 
 from .config import ITEMSIZE
-from .inputs import LOG2E, row_pointer
+from .inputs import LOG2E, checked_level, row_pointer
 from .sampling import Bilinear
 
 THREADS = 256
@@ -90,7 +90,7 @@ class MSDAGeneric:
         # A level that does not fit in value turns the output NaN (and is read as a 1x1 level).
         levels_ok = cutlass.Boolean(True)
         for level in cutlass.range(self.L, unroll=1):
-            H, W, start, ok = self.level(mShapes, mStarts, level, S)
+            H, W, start, ok = checked_level(mShapes, mStarts, level, S)
             levels_ok = levels_ok & ok
         items = cutlass.Int64(N) * Lq * M * self.V
         step = cutlass.Int64(grid) * THREADS
@@ -107,7 +107,7 @@ class MSDAGeneric:
             if cutlass.const_expr(self.cfg.fused):
                 top, inv_total = self.softmax(mAttn, row)
             for level in cutlass.range(self.L, unroll=1):
-                H, W, start, _ = self.level(mShapes, mStarts, level, S)
+                H, W, start, _ = checked_level(mShapes, mStarts, level, S)
                 Wf, Hf = cutlass.Float32(W), cutlass.Float32(H)
                 base_w, base_h = cutlass.Float32(-0.5), cutlass.Float32(-0.5)
                 scale_w, scale_h = Wf, Hf
@@ -161,17 +161,6 @@ class MSDAGeneric:
     def attn_of(self, mAttn, row, k):
         ptr = row_pointer(mAttn, row, self.LP, k, 1)
         return cute.make_tensor(ptr, cute.make_layout(1)).load().to(cutlass.Float32)[0]
-
-    @cute.jit
-    def level(self, mShapes, mStarts, level, S):
-        """(H, W, first pixel, fits): a level that does not fit in value reads as a 1x1 level at 0."""
-        H = cutlass.Int64(mShapes[level, 0])
-        W = cutlass.Int64(mShapes[level, 1])
-        start = cutlass.Int64(mStarts[level])
-        one = cutlass.Int64(1)
-        ok = (H >= one) & (W >= one) & (H <= S) & (W <= S) & (start >= 0) & (start <= S - H * W)
-        return (cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one)),
-                cutlass.select_(ok, start, cutlass.Int64(0)), ok)
 
     @cute.jit
     def softmax(self, mAttn, row):

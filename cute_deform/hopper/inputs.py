@@ -24,6 +24,20 @@ except Exception:
 LOG2E = math.log2(math.e)
 
 
+def checked_level(mShapes: cute.Tensor, mStarts: cute.Tensor, level, S):
+    """(H, W, first pixel, fits) of one level, read on the device. A level that does not fit in value
+    (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) reads as a
+    1x1 level at pixel 0, so nothing is read out of bounds; the kernels then write their outputs as NaN
+    rather than a silently wrong answer."""
+    H = cutlass.Int64(mShapes[level, 0])
+    W = cutlass.Int64(mShapes[level, 1])
+    start = cutlass.Int64(mStarts[level])
+    one = cutlass.Int64(1)
+    ok = (H >= one) & (W >= one) & (H <= S) & (W <= S) & (start >= 0) & (start <= S - H * W)
+    return (cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one)),
+            cutlass.select_(ok, start, cutlass.Int64(0)), ok)
+
+
 def row_pointer(tensor: cute.Tensor, row, per_row: int, offset, length: int):
     """Pointer to `length` contiguous elements at `offset` of row `row` of a row-major tensor whose
     rows hold per_row elements; the index in 64 bits (N*Lq*M*L*P may exceed 2^31). Aligned to the

@@ -31,7 +31,7 @@ except Exception:
 
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
-from .inputs import QueryInputs, load_row, row_pointer
+from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, staged_corners
 from .tile_scheduler import TileScheduler
 
@@ -231,21 +231,14 @@ class MSDAForward:
             cute.arch.cluster_wait()
 
     def level_table(self, mShapes: cute.Tensor, mStarts: cute.Tensor, S):
-        """(H, W) and first pixel of every level, read on the device. A level that does not fit in value
-        (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) is
-        replaced by a 1x1 level at pixel 0, so nothing is read out of bounds, and levels_ok turns False:
-        the outputs are then written as NaN rather than as a silently wrong answer."""
+        """(H, W) and first pixel of every level (inputs.checked_level), and whether all fit in value."""
         sizes, starts = [], []
         levels_ok = cutlass.Boolean(True)
-        one = cutlass.Int64(1)
         for level in range(self.L):
-            H = cutlass.Int64(mShapes[level, 0])
-            W = cutlass.Int64(mShapes[level, 1])
-            start = cutlass.Int64(mStarts[level])
-            ok = (H >= one) & (W >= one) & (H <= S) & (W <= S) & (start >= 0) & (start <= S - H * W)
+            H, W, start, ok = checked_level(mShapes, mStarts, level, S)
             levels_ok = levels_ok & ok
-            sizes.append((cutlass.Int32(cutlass.select_(ok, H, one)), cutlass.Int32(cutlass.select_(ok, W, one))))
-            starts.append(cutlass.select_(ok, start, cutlass.Int64(0)))
+            sizes.append((H, W))
+            starts.append(start)
         return sizes, starts, levels_ok
 
     def level_table_in(self, storage):
