@@ -32,11 +32,11 @@ def tiled_kernel_fits(itemsize: int, head_dim: int, num_levels: int, num_points:
 
 
 @dataclass(frozen=True)
-class KernelConfig:
-    """Static parameters of the tiled kernel. With fused=True the kernel reads reference points,
-    sampling offsets and attention logits (the `sampling_offsets` and `attention_weights` Linear
-    outputs) and computes the locations and the softmax itself; loc_dtype and attn_dtype are then the
-    dtypes of the offsets and the logits."""
+class ProblemConfig:
+    """What a problem fixes for every kernel: dtypes, heads, levels, points, head dim. With fused=True a
+    kernel reads reference points, sampling offsets and attention logits (the `sampling_offsets` and
+    `attention_weights` Linear outputs) and computes the locations and the softmax itself; loc_dtype and
+    attn_dtype are then the dtypes of the offsets and the logits."""
 
     value_dtype: str
     loc_dtype: str
@@ -48,6 +48,16 @@ class KernelConfig:
     fused: bool = False
     ref_dtype: str = "float32"  # fused: reference points' dtype
     ref_dims: int = 2  # fused: 2 for (x, y) reference points, 4 for (cx, cy, w, h) boxes
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.value_dtype]
+
+
+@dataclass(frozen=True)
+class KernelConfig(ProblemConfig):
+    """Static parameters of the tiled kernel: the problem's, and its tuning."""
+
     num_stages: int = 2  # input-ring (or box-ring) stages per group
     num_groups: int = 0  # groups of a producer warp and four consumer warps per CTA; 0: automatic
     stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 stages nothing
@@ -66,10 +76,6 @@ class KernelConfig:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
 
     # --- sizes of a tile -------------------------------------------------------------------------
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.value_dtype]
-
     @property
     def channels_per_thread(self) -> int:  # one 16-byte vector of value per thread and corner
         return 16 // self.itemsize

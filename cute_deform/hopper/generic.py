@@ -18,7 +18,7 @@ try:
 except Exception:
     pass
 
-from .config import ITEMSIZE
+from .config import ProblemConfig
 from .inputs import LOG2E, checked_level, row_pointer
 from .sampling import Bilinear
 
@@ -26,21 +26,8 @@ THREADS = 256
 
 
 @dataclass(frozen=True)
-class GenericConfig:
-    value_dtype: str
-    loc_dtype: str
-    attn_dtype: str
-    num_heads: int
-    num_levels: int
-    num_points: int
-    head_dim: int
-    fused: bool = False
-    ref_dtype: str = "float32"
-    ref_dims: int = 2
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZE[self.value_dtype]
+class GenericConfig(ProblemConfig):
+    """The generic kernel takes the problem's static parameters and nothing else."""
 
     @property
     def channels_per_thread(self) -> int:
@@ -49,10 +36,6 @@ class GenericConfig:
         while self.head_dim % (2 * c) == 0 and 2 * c * self.itemsize <= 16:
             c *= 2
         return c
-
-    @property
-    def value_align(self) -> int:
-        return 16
 
     @property
     def ctas_per_sm(self) -> int:

@@ -99,29 +99,23 @@ def _fake_args(cfg):
     n, s, lq, grid = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     M, L, P, D = cfg.num_heads, cfg.num_levels, cfg.num_points, cfg.head_dim
     vdt, ldt, adt = _dsl(cfg.value_dtype), _dsl(cfg.loc_dtype), _dsl(cfg.attn_dtype)
-    ref = _row_major(_dsl(cfg.ref_dtype), (n, lq, L, cfg.ref_dims), 8) if cfg.fused else None
-    if isinstance(cfg, GenericConfig):
-        args = [
-            _row_major(vdt, (n, s, M, D), cfg.value_align),
-            _row_major(cutlass.Int64, (L, 2)),
-            _row_major(cutlass.Int64, (L,)),
-            _row_major(ldt, (n, lq, M, L, P, 2), 4),
-            _row_major(adt, (n, lq, M, L, P), 2),
-            ref if cfg.fused else _row_major(ldt, (n, lq, M, L, P, 2), 4),
-            _row_major(vdt, (n, lq, M * D), cfg.value_align),
-        ]
-        return args + [cutlass.Int32(1)]
+    tiled = isinstance(cfg, KernelConfig)
+    # The tiled kernel loads rows of locations and weights as vectors; the generic one element by element.
+    loc_align, attn_align = (16, 16) if tiled else (4, 2)
+    loc = _row_major(ldt, (n, lq, M, L, P, 2), loc_align)
     args = [
         _row_major(vdt, (n, s, M, D), 16),
         _row_major(cutlass.Int64, (L, 2)),
         _row_major(cutlass.Int64, (L,)),
-        _row_major(ldt, (n, lq, M, L, P, 2), 16),
-        _row_major(adt, (n, lq, M, L, P), 16),
-        ref if cfg.fused else _row_major(ldt, (n, lq, M, L, P, 2), 16),
+        loc,
+        _row_major(adt, (n, lq, M, L, P), attn_align),
+        _row_major(_dsl(cfg.ref_dtype), (n, lq, L, cfg.ref_dims), 8) if cfg.fused else loc,
         _row_major(vdt, (n, lq, M * D), 16),
-        _row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128),
     ]
-    return args + [cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0)]
+    if not tiled:
+        return args + [cutlass.Int32(1)]
+    return args + [_row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128), cutlass.Int32(1), cutlass.Int32(1),
+                   cutlass.Int32(0)]
 
 
 def compile_kernel(cfg, extra_options: str = ""):
