@@ -181,6 +181,41 @@ def nonfinite_mismatch(out: torch.Tensor, ref: torch.Tensor, *, same_kinds: bool
     return None
 
 
+REFERENCE, EMPTY, ZEROS, ACCEPTED = "reference", "empty", "zeros", "accepted"
+
+
+def case_outcome(run, args: dict, reference, tolerance: float, what: str) -> tuple[str, str]:
+    """(kind, outcome) of one bad or hostile input for the tables of docs/bad_inputs.md: kind is the
+    exception's type name, or ACCEPTED / EMPTY / ZEROS / REFERENCE / "differs" for how run(args)'s output
+    compares with reference() (named `what` in the outcome text)."""
+    try:
+        out = run(args)
+    except Exception as exc:
+        return type(exc).__name__, f"`{first_line(exc)}`"
+    if out is None:
+        return ACCEPTED, "accepted"
+    if out.device.type == "meta":
+        return ACCEPTED, f"no error on the host: output of shape {tuple(out.shape)} on meta (no data, no check)"
+    if out.numel() == 0:
+        return EMPTY, f"empty output of shape {tuple(out.shape)}"
+    ref = reference()
+    if out.shape != ref.shape:
+        return "differs", f"output shape {tuple(out.shape)}, the reference's {tuple(ref.shape)}"
+    mismatch = nonfinite_mismatch(out, ref)
+    if mismatch:
+        return "differs", f"differs from the {what}: {mismatch}"
+    err = finite_rel_err(out, ref)
+    if err >= tolerance:
+        return "differs", f"differs from the {what}: rel err {err:.1e}"
+    if not ref.any() and not out.any():
+        return ZEROS, f"all-zero output, as the {what} (an empty sum)"
+    nonfinite = int((~torch.isfinite(out)).sum())
+    if nonfinite:
+        return REFERENCE, (f"matches the {what}: the same {nonfinite} of {out.numel()} outputs "
+                           f"NaN/inf, rel err < {tolerance:.0e} on the rest")
+    return REFERENCE, f"equals the {what} (rel err < {tolerance:.0e})"
+
+
 def finite_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """rel_err over the entries where the reference is finite (0.0 when that part of ref is 0)."""
     keep = torch.isfinite(ref)

@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_deform import fused_reference, ms_deform_attn_fused
 from cute_deform._checks import FUSED_NAMES
-from msda_testing import (check_or_write_doc_section, finite_rel_err, first_line, make_fused_inputs, markdown_table,
-                          nonfinite_mismatch)
+from msda_testing import (ACCEPTED, EMPTY, REFERENCE, ZEROS, case_outcome, check_or_write_doc_section,
+                          make_fused_inputs, markdown_table)
 
 LEVELS = [(3, 4), (2, 2)]  # S = 16
 SIZES = dict(batch=2, queries=3, heads=2, head_dim=4, points=2)
@@ -30,7 +30,6 @@ HOST_SCHEMA = "host (dispatcher, op schema)"
 HOST_AUTOGRAD = "host (autograd)"
 NO_LAUNCH = "host: nothing to compute, no launch"
 RULE = "device: module formula, then sampling rule"
-REFERENCE, EMPTY, ZEROS, ACCEPTED = "reference", "empty", "zeros", "accepted"
 
 QUERY_HEAD = (1, 2, 0)  # (n, q, m) the hostile logit cases aim at
 SAMPLE = QUERY_HEAD + (1, 0)  # (n, q, m, level, point)
@@ -282,32 +281,8 @@ def run_case(gen, case_id: str) -> tuple[str, str]:
     """(kind, outcome): kind is the exception's type name or REFERENCE / EMPTY / ZEROS / ACCEPTED /
     "differs", outcome the table's text."""
     args = case_inputs(gen, case_id)
-    try:
-        out = CASES[case_id].run(args)
-    except Exception as exc:
-        return type(exc).__name__, f"`{first_line(exc)}`"
-    if out is None:
-        return ACCEPTED, "accepted"
-    if out.device.type == "meta":
-        return ACCEPTED, f"no error on the host: output of shape {tuple(out.shape)} on meta (no data, no check)"
-    if out.numel() == 0:
-        return EMPTY, f"empty output of shape {tuple(out.shape)}"
-    ref = fused_reference(*args.values(), out_dtype=torch.float64)
-    if out.shape != ref.shape:
-        return "differs", f"output shape {tuple(out.shape)}, the reference's {tuple(ref.shape)}"
-    mismatch = nonfinite_mismatch(out, ref)
-    if mismatch:
-        return "differs", f"differs from the float64 fused reference: {mismatch}"
-    err = finite_rel_err(out, ref)
-    if err >= TOLERANCE:
-        return "differs", f"differs from the float64 fused reference: rel err {err:.1e}"
-    if not ref.any() and not out.any():
-        return ZEROS, "all-zero output, as the float64 fused reference (an empty sum)"
-    nonfinite = int((~torch.isfinite(out)).sum())
-    if nonfinite:
-        return REFERENCE, (f"matches the float64 fused reference: the same {nonfinite} of {out.numel()} outputs "
-                           f"NaN/inf, rel err < {TOLERANCE:.0e} on the rest")
-    return REFERENCE, f"equals the float64 fused reference (rel err < {TOLERANCE:.0e})"
+    return case_outcome(CASES[case_id].run, args, lambda: fused_reference(*args.values(), out_dtype=torch.float64),
+                        TOLERANCE, "float64 fused reference")
 
 
 def expected_kind(case: Case) -> str:

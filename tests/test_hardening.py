@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cute_deform import ms_deform_attn_reference
-from msda_testing import (check_or_write_doc_section, doc_sections, finite_rel_err, first_line, make_inputs,
-                          markdown_table, nonfinite_mismatch, render_doc, strided_copies)
+from msda_testing import (EMPTY, REFERENCE, ZEROS, case_outcome, check_or_write_doc_section, doc_sections,
+                          make_inputs, markdown_table, render_doc, strided_copies)
 
 LEVELS = [(3, 4), (2, 2)]  # S = 16
 SIZES = dict(batch=2, queries=3, heads=2, head_dim=4, points=2)
@@ -32,7 +32,6 @@ NO_LAUNCH = "host: nothing to compute, no launch"
 RULE = "device: sampling rule"
 
 # Outcomes a case may declare besides an exception type.
-REFERENCE, EMPTY, ZEROS = "reference", "empty", "zeros"
 
 # Samples the hostile cases aim at, as (n, q, m, level, point).
 SAMPLE_A = (0, 1, 0, 0, 0)
@@ -240,32 +239,8 @@ def run_case(gen, case_id: str) -> tuple[str, str]:
     """(kind, outcome): kind is the exception's type name or REFERENCE / EMPTY / ZEROS / "differs",
     outcome the table's text."""
     args = case_inputs(gen, case_id)
-    try:
-        out = CASES[case_id].run(args)
-    except Exception as exc:
-        return type(exc).__name__, f"`{first_line(exc)}`"
-    if out is None:
-        return "accepted", "accepted"
-    if out.device.type == "meta":
-        return "accepted", f"no error on the host: output of shape {tuple(out.shape)} on meta (no data, no check)"
-    if out.numel() == 0:
-        return EMPTY, f"empty output of shape {tuple(out.shape)}"
-    ref = ms_deform_attn_reference(*args.values(), out_dtype=torch.float64)
-    if out.shape != ref.shape:
-        return "differs", f"output shape {tuple(out.shape)}, the reference's {tuple(ref.shape)}"
-    mismatch = nonfinite_mismatch(out, ref)
-    if mismatch:
-        return "differs", f"differs from the float64 reference: {mismatch}"
-    err = finite_rel_err(out, ref)
-    if err >= TOLERANCE:
-        return "differs", f"differs from the float64 reference: rel err {err:.1e}"
-    if not ref.any() and not out.any():
-        return ZEROS, "all-zero output, as the float64 reference (an empty sum)"
-    nonfinite = int((~torch.isfinite(out)).sum())
-    if nonfinite:
-        return REFERENCE, (f"matches the float64 reference: the same {nonfinite} of {out.numel()} outputs "
-                           f"NaN/inf, rel err < {TOLERANCE:.0e} on the rest")
-    return REFERENCE, f"equals the float64 reference (rel err < {TOLERANCE:.0e})"
+    return case_outcome(CASES[case_id].run, args, lambda: ms_deform_attn_reference(*args.values(), out_dtype=torch.float64),
+                        TOLERANCE, "float64 reference")
 
 
 def expected_kind(case: Case) -> str:
