@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/gpu_all_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUTE_DEFORM_CACHE_DIR=${CUTE_DEFORM_CACHE_DIR:-$PWD/.kcache}
 BUDGET=${BUDGET:-540}
-STEPS=${STEPS:-"sweep compare tests hardening host sanitizers"}
+STEPS=${STEPS:-"sweep compare tests-boxes tests-grid tests-op tests-fused hardening host sanitizers layer"}
 START=$(date +%s)
 SUMMARY=()
 step() {  # name max_seconds command...
@@ -25,6 +25,8 @@ step() {  # name max_seconds command...
     local rc=$?
     SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - s ))s (limit ${t}s)")
 }
+# Kernels compiled on a CPU machine (CUTE_DSL_ARCH=sm_90a) travel as one archive: the .o files load here.
+[ -f .kcache.tar.xz ] && mkdir -p "$CUTE_DEFORM_CACHE_DIR" && tar xJf .kcache.tar.xz -C "$CUTE_DEFORM_CACHE_DIR"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader >"$OUT/device.txt"
 # The peers build while the CuTe kernels compile and run.
 BUILDS=
@@ -35,13 +37,20 @@ esac
 step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
 [ -n "$BUILDS" ] && wait $BUILDS
 step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
-step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernel_gpu.py tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
+# A kernel fault is sticky for its process: the per-sample box path, the rest of the kernel grid, the op
+# tests and the fused tests each run in their own process, so one fault cannot hide the others' results.
+PYTEST="python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
+step tests-boxes 90 $PYTEST tests/test_kernel_gpu.py -k "boxes${PYTEST_K:+ and ($PYTEST_K)}"
+step tests-grid 200 $PYTEST tests/test_kernel_gpu.py -k "not boxes${PYTEST_K:+ and ($PYTEST_K)}"
+step tests-op 120 $PYTEST tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
+step tests-fused 150 $PYTEST tests/test_fused_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
 step host 60 bash -c "python3 scripts/overhead.py host && python3 scripts/overhead.py first-call"
+step layer 240 python3 scripts/bench_layer.py
 step sanitizers 120 bash -c "compute-sanitizer --tool racecheck --error-exitcode 1 --report-api-errors no python3 scripts/overhead.py smoke && PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 --report-api-errors no python3 tests/test_hardening_gpu.py"
 cat "$OUT/device.txt"
-for f in sweep compare tests hardening host sanitizers; do
+for f in sweep compare tests-boxes tests-grid tests-op tests-fused hardening host layer sanitizers; do
     [ -f "$OUT/$f.log" ] && { echo "== $f"; grep -v "^$" "$OUT/$f.log" | tail -${TAIL:-14}; }
 done
 printf '%s\n' "${SUMMARY[@]}"
