@@ -261,7 +261,7 @@ what that test observes otherwise, so it stays true. Do not edit it by hand.
   drop-in function and the reference functions raise a TypeError there, and None reaches the op's own
   checks); `device: sampling rule` needs no check: the original kernel's rule (a sample outside
   (-1, H) x (-1, W), NaN included, adds 0 and ignores its weight) decides, on every path;
-  `device: level_table` is the kernel's own check of GPU-resident level tables.
+  `device: checked_level` is the kernels' own check of GPU-resident level tables.
 - **outcome**: the exception with the first line of its message, or how the output compares with
   `cute_deform.ms_deform_attn_reference(..., out_dtype=torch.float64)`; rel err is
   ||out - ref|| / ||ref|| over the finite entries, given as the bound the test asserts.

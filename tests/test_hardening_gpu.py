@@ -230,7 +230,7 @@ class TableCase:
     starts: list
     extra_pixels: int = 0  # value gets S = 3190 + extra_pixels
     shapes_on_cpu: bool = False
-    where: str = "device: level_table"
+    where: str = "device: checked_level"
 
 
 def sprinkle(t: torch.Tensor, gen, fraction: float, pool) -> torch.Tensor:
@@ -298,7 +298,7 @@ TABLE_CASES = {
     "starts-all-zero": TableCase("every level starts at pixel 0 (overlapping, all inside value)", LEVELS, [0] * 4),
     "start-past-end-shapes-on-cpu": TableCase(
         "level_start_index 3189 on level 2 on the GPU, spatial_shapes (consistent) on the CPU", LEVELS,
-        _start(2, NUM_KEYS - 1), shapes_on_cpu=True, where="host checks S (CPU spatial_shapes); device: level_table"),
+        _start(2, NUM_KEYS - 1), shapes_on_cpu=True, where="host checks S (CPU spatial_shapes); device: checked_level"),
 }
 
 SANITY = "valid-after-hostile"  # valid inputs last: the process's CUDA context is still healthy
@@ -306,7 +306,7 @@ HOSTILE = [*VALUE_CASES, *TABLE_CASES, SANITY]
 
 
 def level_table_accepts(shapes, starts, num_keys) -> bool:
-    """The kernel's documented rule (cute_deform/hopper/kernel.py, MSDAForward.level_table) in exact integers: every level
+    """The kernel's documented rule (cute_deform/hopper/inputs.py, checked_level, used by both kernels) in exact integers: every level
     must fit in value, else the whole output is NaN."""
     return all(h >= 1 and w >= 1 and s >= 0 and s + h * w <= num_keys for (h, w), s in zip(shapes, starts))
 
@@ -467,7 +467,7 @@ def render_gpu_section(results) -> str:
         "## Level tables on the GPU (sm_90 kernel)\n\n"
         "Written by `tests/test_hardening_gpu.py` (`test_gpu_section_of_bad_input_table`). spatial_shapes and "
         "level_start_index on the GPU are never read by the host (that would be a sync), so none of the host "
-        "checks above sees these. The kernel's `level_table` (cute_deform/hopper/kernel.py, and the generic kernel's `level`) replaces a level that does "
+        "checks above sees these. The kernels' `checked_level` (cute_deform/hopper/inputs.py) replaces a level that does "
         "not fit in value (H or W < 1, start < 0, start + H*W > S) by a 1x1 level at pixel 0, so nothing is read "
         "out of bounds, and writes the whole output as NaN; levels that fit are used as given, even overlapping. "
         "Each case ran in a process apart from the other GPU tests and ended with `torch.cuda.synchronize()`. "

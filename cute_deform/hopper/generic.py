@@ -19,7 +19,7 @@ except Exception:
     pass
 
 from .config import ProblemConfig
-from .inputs import LOG2E, checked_level, row_pointer
+from .inputs import checked_level, exp_shifted, row_pointer
 from .sampling import Bilinear
 
 THREADS = 256
@@ -114,7 +114,7 @@ class MSDAGeneric:
                     w = x * scale_w + base_w
                     h = y * scale_h + base_h
                     if cutlass.const_expr(self.cfg.fused):
-                        a = cute.math.exp2(a * LOG2E - top, fastmath=True) * inv_total
+                        a = exp_shifted(a, top) * inv_total
                     inside, x0, y0, lw, lh = self.bilinear.footprint(w, h, H, W)
                     rows, cols = self.bilinear.inside_corners(x0, y0, H, W)
                     first = value_base + cutlass.Int64(y0 * W + x0) * pixel_bytes
@@ -147,11 +147,11 @@ class MSDAGeneric:
 
     @cute.jit
     def softmax(self, mAttn, row):
-        """Maximum (times log2 e) and reciprocal sum of the row's L*P logits."""
+        """Maximum and reciprocal sum of exponentials of the row's L*P logits."""
         top = cutlass.Float32(-float("inf"))
         for k in cutlass.range(self.LP, unroll=1):
-            top = cute.arch.fmax(top, self.attn_of(mAttn, row, k) * LOG2E)
+            top = cute.arch.fmax(top, self.attn_of(mAttn, row, k))
         total = cutlass.Float32(0.0)
         for k in cutlass.range(self.LP, unroll=1):
-            total = total + cute.math.exp2(self.attn_of(mAttn, row, k) * LOG2E - top, fastmath=True)
+            total = total + exp_shifted(self.attn_of(mAttn, row, k), top)
         return top, 1.0 / total

@@ -24,6 +24,13 @@ except Exception:
 LOG2E = math.log2(math.e)
 
 
+def exp_shifted(logit, top):
+    """exp(logit - top) as exp2. The difference comes first: written as logit * log2(e) - top', the
+    compiler contracts it into one FMA whose exact product no longer cancels the rounded maximum, and a
+    logit of 1e30 then gets the weight 0 or inf instead of 1."""
+    return cute.math.exp2((logit - top) * LOG2E, fastmath=True)
+
+
 def checked_level(mShapes: cute.Tensor, mStarts: cute.Tensor, level, S):
     """(H, W, first pixel, fits) of one level, read on the device. A level that does not fit in value
     (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) reads as a
@@ -91,23 +98,22 @@ class QueryInputs:
         return a.to(cutlass.Float32)[0]
 
     def _softmax(self):
-        """The logits' maximum (times log2 e) and the reciprocal of the sum of exponentials, once per
-        query."""
+        """The logits' maximum and the reciprocal of the sum of exponentials, once per query."""
         logits = []
         if self.source[0] == "smem":
             for k in range(self.LP):
-                logits.append(self._raw_logit(k) * LOG2E)
+                logits.append(self._raw_logit(k))
         else:
             _, _, mAttn, row = self.source
             row_logits = load_row(mAttn, row, self.LP, 0, self.LP)
             for k in range(self.LP):
-                logits.append(row_logits[k] * LOG2E)
+                logits.append(row_logits[k])
         top = logits[0]
         for k in range(1, self.LP):
             top = cute.arch.fmax(top, logits[k])
         total = cutlass.Float32(0.0)
         for k in range(self.LP):
-            total = total + cute.math.exp2(logits[k] - top, fastmath=True)
+            total = total + exp_shifted(logits[k], top)
         return top, 1.0 / total
 
     def level(self, level: int, H, W):
@@ -148,7 +154,7 @@ class QueryInputs:
 
         def fused(point):
             dx, dy, logit = raw(point)
-            a = cute.math.exp2(logit * LOG2E - top, fastmath=True) * inv_total
+            a = exp_shifted(logit, top) * inv_total
             if self.ref_dims == 4:
                 return base_w + dx * scale_w, base_h + dy * scale_h, a
             return base_w + dx, base_h + dy, a
