@@ -98,13 +98,11 @@ def _forward_fused_cuda(value, spatial_shapes, level_start_index, reference_poin
     if reason is None:
         reason = _hopper_fused_unavailable_reason()
     if reason is None:
-        if _hopper_interface.unverified_reason(value, L, P, fused=True) is None:
-            return _hopper_interface.msda_forward_fused(
-                value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits
-            )
-    else:
-        _op._warn_slow_path(reason)
-    # Locations and softmax with torch ops, then the forward op (the tiled kernel where it runs).
+        return _hopper_interface.msda_forward_fused(
+            value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits
+        )
+    _op._warn_slow_path(reason)
+    # Locations and softmax with torch ops, then the forward op (its slow path here).
     locations, weights = fused_sampling_inputs(
         spatial_shapes, reference_points, sampling_offsets, attention_logits, torch.float32
     )

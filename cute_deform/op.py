@@ -115,10 +115,8 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
             from .hopper import interface as hopper
 
             _hopper = hopper
-        reason = hopper.unverified_reason(value, L, P)
-    if reason is None:
         # msda_forward makes every input contiguous (and 16-byte aligned) itself.
-        return _hopper.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return hopper.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     _warn_slow_path(reason)
     return ms_deform_attn_grid_sample(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,

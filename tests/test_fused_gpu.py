@@ -126,13 +126,10 @@ def test_torch_compile_fullgraph(gen):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper_fused_available(),
                     reason="cute_deform.hopper.interface (the fused Hopper kernel) is not available here")
-@pytest.mark.parametrize("experimental", [False, True])
-def test_sm90_runs_the_fused_kernel_when_enabled(gen, monkeypatch, experimental):
-    """With CUTE_DEFORM_EXPERIMENTAL=1 the op runs the fused Hopper kernel; without it (the kernel not yet
-    verified on a GPU) locations and softmax in torch, then the tiled kernel. Both without warnings."""
+def test_sm90_runs_the_fused_kernel(gen, monkeypatch):
+    """On sm_90 the op runs the fused Hopper kernel (locations and softmax inside), without warnings."""
     from cute_deform.hopper import interface
 
-    monkeypatch.setenv("CUTE_DEFORM_EXPERIMENTAL", "1" if experimental else "0")
     calls = []
     real = interface.msda_forward_fused
     monkeypatch.setattr(interface, "msda_forward_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -140,7 +137,7 @@ def test_sm90_runs_the_fused_kernel_when_enabled(gen, monkeypatch, experimental)
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowPathWarning)
         out = torch.ops.cute_deform.forward_fused(*args)
-    assert bool(calls) == experimental
+    assert calls
     assert rel_err(out, fused_reference(*args, out_dtype=torch.float64)) < TOLERANCE[torch.float16]
 
 

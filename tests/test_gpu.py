@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from cute_deform import SlowPathWarning, demo, ms_deform_attn_grid_sample, ms_deform_attn_reference, op
+from cute_deform import SlowPathWarning, demo, ms_deform_attn_grid_sample, ms_deform_attn_reference
 from cute_deform.hopper import interface
 from cute_deform._checks import check_inputs
 from msda_testing import make_inputs, rel_err
@@ -82,10 +82,9 @@ def test_reference_memory_is_bounded_on_the_largest_preset(gen):
 
 @pytest.mark.skipif(not interface.available(), reason="the CuTe DSL is not installed")
 @pytest.mark.parametrize("head_dim", [3, 30, 48])
-def test_any_head_dim_runs_on_the_kernel(gen, monkeypatch, head_dim):
-    """Head dims whose rows are not whole 16-byte vectors (or not a power of two) run on a Hopper kernel,
-    not on the slow path (the generic kernel with CUTE_DEFORM_EXPERIMENTAL=1 until it is verified)."""
-    monkeypatch.setenv("CUTE_DEFORM_EXPERIMENTAL", "1")
+def test_any_head_dim_runs_on_the_kernel(gen, head_dim):
+    """Head dims whose rows are not whole 16-byte vectors (or not a power of two) run on a Hopper kernel
+    (the generic one for 3 and 30, the tiled one for 48), not on the slow path."""
     args = on_cuda(make_inputs(gen, [(8, 8), (3, 5)], head_dim=head_dim, dtype=torch.float32))
     with warnings.catch_warnings():
         warnings.simplefilter("error", SlowPathWarning)
@@ -93,10 +92,3 @@ def test_any_head_dim_runs_on_the_kernel(gen, monkeypatch, head_dim):
     assert rel_err(out, ms_deform_attn_reference(*args, out_dtype=torch.float64)) < 1e-5
 
 
-def test_unverified_head_dims_take_the_portable_path_by_default(gen, monkeypatch):
-    monkeypatch.setenv("CUTE_DEFORM_EXPERIMENTAL", "0")
-    monkeypatch.setattr(op, "_warned_slow_path", False)
-    args = on_cuda(make_inputs(gen, [(8, 8), (3, 5)], head_dim=30, dtype=torch.float32))
-    with pytest.warns(SlowPathWarning, match="generic Hopper kernel"):
-        out = torch.ops.cute_deform.forward(*args)
-    assert rel_err(out, ms_deform_attn_reference(*args, out_dtype=torch.float64)) < 1e-5

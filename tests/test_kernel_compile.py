@@ -213,20 +213,3 @@ def test_schedule_covers_every_tile_once_and_bounds_the_window(N, M, blocks, clu
 def test_one_round_without_a_window():
     schedule = tile_scheduler.plan(48 * 8 * 482, 482, 66, 1 << 20, 0, 20, 5)
     assert schedule.rounds == 1
-
-
-def test_unverified_kernels_are_opt_in(monkeypatch):
-    """The generic and fused kernels have not run on a GPU yet: the ops use them only with
-    CUTE_DEFORM_EXPERIMENTAL=1, and take verified paths otherwise."""
-    import torch
-
-    monkeypatch.delenv("CUTE_DEFORM_EXPERIMENTAL", raising=False)
-    fp16_d32 = torch.empty(1, 1, 8, 32, dtype=torch.float16)
-    fp32_d30 = torch.empty(1, 1, 8, 30, dtype=torch.float32)
-    assert interface.unverified_reason(fp16_d32, 4, 4) is None
-    assert "generic" in interface.unverified_reason(fp32_d30, 4, 4)
-    assert "generic" in interface.unverified_reason(fp16_d32, 6, 4)
-    assert "fused" in interface.unverified_reason(fp16_d32, 4, 4, fused=True)
-    monkeypatch.setenv("CUTE_DEFORM_EXPERIMENTAL", "1")
-    assert interface.unverified_reason(fp32_d30, 4, 4) is None
-    assert interface.unverified_reason(fp16_d32, 4, 4, fused=True) is None

@@ -49,31 +49,6 @@ def available() -> bool:
     return _DSL_ERROR is None
 
 
-def experimental() -> bool:
-    """CUTE_DEFORM_EXPERIMENTAL=1: the ops may launch the kernels that have not run on a GPU yet."""
-    return os.environ.get("CUTE_DEFORM_EXPERIMENTAL", "") == "1"
-
-
-def unverified_reason(value: torch.Tensor, num_levels: int, num_points: int, fused: bool = False) -> str | None:
-    """Why an op should not launch a Hopper kernel for this input yet, or None.
-
-    The generic kernel and the fused tiled kernel are written, compiled for sm_90a and checked on the CPU
-    (PTX, schedule, dispatch), but have not run on a GPU yet (the last session lost its machine before
-    tests/test_kernel_gpu.py reached them). Until they have, the ops take verified paths unless
-    CUTE_DEFORM_EXPERIMENTAL=1: the fused op computes locations and softmax with torch ops and calls the
-    tiled kernel, and head dims, level or point counts outside the tiled kernel take the op's portable
-    path. The tests call both kernels directly."""
-    if experimental():
-        return None
-    if not tiled_kernel_fits(value.element_size(), value.shape[-1], num_levels, num_points):
-        return (f"head dim {value.shape[-1]} ({value.dtype}) with {num_levels} levels and {num_points} points "
-                "needs the generic Hopper kernel, which has not been verified on a GPU yet "
-                "(CUTE_DEFORM_EXPERIMENTAL=1 uses it)")
-    if fused:
-        return "the fused Hopper kernel has not been verified on a GPU yet (CUTE_DEFORM_EXPERIMENTAL=1 uses it)"
-    return None
-
-
 def check_supported(value: torch.Tensor) -> None:
     """Raise ValueError naming the argument where no Hopper kernel runs this input."""
     if value.dtype not in TORCH_TO_NAME:
