@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Compile the Hopper kernels that the GPU test suite and compare.py's presets run into the disk cache,
+on any machine: no GPU is needed (the target is sm_90a). A GPU machine then loads them in milliseconds
+instead of compiling each for seconds.
+
+    CUTE_DSL_ARCH=sm_90a CUTE_DEFORM_CACHE_DIR=.kcache python scripts/precompile.py --archive .kcache.tar.xz
+
+scripts/gpu_all.sh unpacks .kcache.tar.xz into its cache when the archive travels with the work tree
+(about 0.7 MB for the ~130 configurations).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts"), str(REPO)]
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import torch  # noqa: E402
+
+from cute_deform.hopper import interface  # noqa: E402
+
+
+def configurations() -> list:
+    import compare
+    import test_kernel_gpu as grid
+    import tune
+
+    configs = []
+    for case in grid.CASES:
+        value, loc, attn = grid.fake_inputs(case)
+        cfg = interface.config_for(value, loc, attn, **grid.VARIANTS[case["variant"]])
+        configs.append(interface.launch_variants(cfg)[-1])  # the grid's small problems run whole segments
+    for case in grid.FUSED:
+        dt = grid.DTYPES[case["value"]]
+        value = torch.empty(1, 1, 8, case["D"], dtype=dt)
+        offsets = torch.empty(1, 1, 8, case["L"], case["P"], 2, dtype=dt)
+        logits = torch.empty(1, 1, 8, case["L"], case["P"], dtype=dt)
+        ref = torch.empty(1, 1, case["L"], case["ref_dims"])
+        configs += interface.launch_variants(
+            interface.config_for(value, offsets, logits, ref, **grid.VARIANTS[case["variant"]]))
+    for dt in (torch.float16, torch.float32, torch.bfloat16):
+        for shape in tune.shapes_of(list(compare.PRESETS)):
+            value = torch.empty(1, 1, shape.M, shape.D, dtype=dt)
+            for loc_dt in (torch.float32, dt):
+                loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dt)
+                attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dt)
+                configs += interface.launch_variants(interface.config_for(value, loc, attn))
+    return list(dict.fromkeys(configs))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archive", help="also write the cache as this .tar.xz")
+    args = parser.parse_args(argv)
+    cache = interface.cache_dir()
+    if cache is None:
+        sys.exit("the kernel cache is off: set CUTE_DEFORM_CACHE_DIR to a folder")
+    configs = configurations()
+    print(f"{len(configs)} configurations into {cache}", flush=True)
+    start = time.time()
+    interface.precompile(configs, variants=False)
+    print(f"done in {time.time() - start:.0f} s", flush=True)
+    if args.archive:
+        with tarfile.open(args.archive, "w:xz") as tar:
+            for path in sorted(cache.glob("msda_*.o")):
+                tar.add(path, arcname=path.name)
+        print(f"wrote {args.archive} ({Path(args.archive).stat().st_size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
