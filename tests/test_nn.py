@@ -91,7 +91,6 @@ def test_reset_parameters_matches_deformable_detr_init():
 @pytest.mark.parametrize("ref_dim", [2, 4])
 def test_checkpoint_state_dict_loads_and_forward_matches(gen, ref_dim):
     d_model, n_levels, n_heads, n_points = 32, 3, 4, 3
-    levels = [(6, 9), (3, 5), (1, 2)]
     N, Lq = 2, 7
     state = deformable_detr_state_dict(gen, d_model, n_levels, n_heads, n_points)
     buffer = io.BytesIO()
@@ -104,17 +103,8 @@ def test_checkpoint_state_dict_loads_and_forward_matches(gen, ref_dim):
     assert not result.missing_keys and not result.unexpected_keys
     assert all(torch.equal(module.state_dict()[k], v) for k, v in state.items())
 
-    shapes, starts = level_tensors(levels)
-    S = int(shapes.prod(-1).sum())
-    query = torch.randn((N, Lq, d_model), generator=gen)
-    flat = torch.randn((N, S, d_model), generator=gen)
-    if ref_dim == 2:
-        reference_points = torch.rand((N, Lq, n_levels, 2), generator=gen)
-    else:
-        centre = torch.rand((N, Lq, 1, 2), generator=gen)
-        size = 0.05 + 0.5 * torch.rand((N, Lq, 1, 2), generator=gen)
-        reference_points = torch.cat([centre, size], -1).expand(N, Lq, n_levels, 4)
-    mask = torch.rand((N, S), generator=gen) < 0.3
+    query, reference_points, flat, shapes, starts, mask = random_layer_inputs(gen, n_levels, d_model, ref_dim,
+                                                                               N=N, Lq=Lq)
 
     with torch.no_grad():
         out = module(query, reference_points, flat, shapes, starts, mask)
