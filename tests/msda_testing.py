@@ -303,6 +303,22 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def case_table(cases: dict, run_case, seed: int) -> str:
+    """The (input, where checked, outcome) table of a hardening file's cases, each run on inputs drawn
+    from `seed` (fixed, so the table does not change from run to run)."""
+    rows = []
+    for case_id, case in cases.items():
+        _, outcome = run_case(torch.Generator().manual_seed(seed), case_id)
+        rows.append((case.input, case.where, outcome))
+    return markdown_table(("input", "where checked", "outcome"), rows)
+
+
+def sizes_text(sizes: dict) -> str:
+    """make_inputs-style sizes as the tables name them: N=.., Lq=.., M=.., D=.., P=..."""
+    return ", ".join(f"{k}={v}" for k, v in dict(N=sizes["batch"], Lq=sizes["queries"], M=sizes["heads"],
+                                                 D=sizes["head_dim"], P=sizes["points"]).items())
+
+
 def check_or_write_doc_section(name: str, body: str, *, path: Path = BAD_INPUTS_DOC, write: bool | None = None) -> None:
     """Write section `name` of the doc (keeping the others as they are) when CUTE_DEFORM_WRITE_DOCS=1,
     else assert that the file is exactly what writing would give."""

@@ -16,8 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cute_deform import fused_reference, ms_deform_attn_fused
 from cute_deform._checks import FUSED_NAMES
-from msda_testing import (ACCEPTED, EMPTY, REFERENCE, ZEROS, case_outcome, check_or_write_doc_section,
-                          make_fused_inputs, markdown_table)
+from msda_testing import (ACCEPTED, EMPTY, REFERENCE, ZEROS, case_outcome, case_table, check_or_write_doc_section,
+                          make_fused_inputs, sizes_text)
 
 LEVELS = [(3, 4), (2, 2)]  # S = 16
 SIZES = dict(batch=2, queries=3, heads=2, head_dim=4, points=2)
@@ -360,12 +360,7 @@ def test_hostile_cases_really_are_hostile():
 
 
 def render_fused_section() -> str:
-    rows = []
-    for case_id, case in CASES.items():
-        _, outcome = run_case(torch.Generator().manual_seed(DOC_SEED), case_id)
-        rows.append((case.input, case.where, outcome))
-    sizes = ", ".join(f"{k}={v}" for k, v in dict(N=SIZES["batch"], Lq=SIZES["queries"], M=SIZES["heads"],
-                                                  D=SIZES["head_dim"], P=SIZES["points"]).items())
+    sizes = sizes_text(SIZES)
     intro = (
         "## The fused op, every path (run on the CPU)\n\n"
         "Written by `tests/test_fused_hardening.py`, which runs each case through "
@@ -376,7 +371,7 @@ def render_fused_section() -> str:
         f"from: {sizes}, levels {', '.join(map(str, LEVELS))} (S=16), 2-d reference points unless the row says "
         "box, fp32, all on the CPU.\n\n"
     )
-    return intro + markdown_table(("input", "where checked", "outcome"), rows)
+    return intro + case_table(CASES, run_case, DOC_SEED)
 
 
 def test_bad_input_table_is_up_to_date():

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cute_deform import ms_deform_attn_reference
-from msda_testing import (EMPTY, REFERENCE, ZEROS, case_outcome, check_or_write_doc_section, doc_sections,
-                          make_inputs, markdown_table, render_doc, strided_copies)
+from msda_testing import (EMPTY, REFERENCE, ZEROS, case_outcome, case_table, check_or_write_doc_section, doc_sections,
+                          make_inputs, render_doc, sizes_text, strided_copies)
 
 LEVELS = [(3, 4), (2, 2)]  # S = 16
 SIZES = dict(batch=2, queries=3, heads=2, head_dim=4, points=2)
@@ -280,12 +280,7 @@ def test_hostile_cases_really_are_hostile():
 
 
 def render_cpu_section() -> str:
-    rows = []
-    for case_id, case in CASES.items():
-        _, outcome = run_case(torch.Generator().manual_seed(DOC_SEED), case_id)
-        rows.append((case.input, case.where, outcome))
-    sizes = ", ".join(f"{k}={v}" for k, v in dict(N=SIZES["batch"], Lq=SIZES["queries"], M=SIZES["heads"],
-                                                  D=SIZES["head_dim"], P=SIZES["points"]).items())
+    sizes = sizes_text(SIZES)
     intro = (
         "## Every path (run on the CPU)\n\n"
         "Written by `tests/test_hardening.py`, which runs each case through `torch.ops.cute_deform.forward` on "
@@ -293,7 +288,7 @@ def render_cpu_section() -> str:
         "meet the kernel's sampling rule instead of the reference's (see the GPU tests). Valid inputs the "
         f"cases start from: {sizes}, levels {', '.join(map(str, LEVELS))} (S=16), fp32, all on the CPU.\n\n"
     )
-    return intro + markdown_table(("input", "where checked", "outcome"), rows)
+    return intro + case_table(CASES, run_case, DOC_SEED)
 
 
 def test_bad_input_table_is_up_to_date():
