@@ -449,20 +449,21 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
                                                           seen_loc[:n_check], seen_attn[:n_check])
             row.rel_err, why = check_impl(impl, impl_ref, n_check, args.watchdog)
             del impl_ref
-            inexact = not why and impl.peer and not (row.rel_err <= row.bound)
-            if inexact:
-                row.status = "inexact"
-                row.note = (f"rel err {row.rel_err:.3e} > bound {row.bound:g} (it computes positions and bilinear "
-                            "weights in value's dtype); timed anyway")
-            if why or (not (row.rel_err <= row.bound) and not inexact):
+            within = row.rel_err <= row.bound
+            if why or not (within or impl.peer):
                 row.status = "MISMATCH"
                 row.note = why or f"rel err {row.rel_err:.3e} > bound {row.bound:g}"
-            elif not args.no_time:
-                row.us = time_impl(impl, args)
-                row.gsamples = shape.samples / row.us * 1e-3
-                floor_bytes = shape.floor_bytes(value_bytes)
-                row.tbs = floor_bytes / row.us * 1e-6
-                row.floor_us = floor_bytes / copy_bw * 1e6
+            else:
+                if not within:
+                    row.status = "inexact"
+                    row.note = (f"rel err {row.rel_err:.3e} > bound {row.bound:g} (it computes positions and "
+                                "bilinear weights in value's dtype); timed anyway")
+                if not args.no_time:
+                    row.us = time_impl(impl, args)
+                    row.gsamples = shape.samples / row.us * 1e-3
+                    floor_bytes = shape.floor_bytes(value_bytes)
+                    row.tbs = floor_bytes / row.us * 1e-6
+                    row.floor_us = floor_bytes / copy_bw * 1e6
         except Hang as exc:
             row.status = "HANG"
             row.note = str(exc)
