@@ -31,11 +31,7 @@ def configurations() -> list:
     import test_kernel_gpu as grid
     import tune
 
-    configs = []
-    for case in grid.CASES:
-        value, loc, attn = grid.fake_inputs(case)
-        cfg = interface.config_for(value, loc, attn, **grid.VARIANTS[case["variant"]])
-        configs.append(interface.launch_variants(cfg)[-1])  # the grid's small problems run whole segments
+    configs = [grid.case_config(case) for case in grid.CASES]
     for case in grid.FUSED:
         dt = grid.DTYPES[case["value"]]
         value = torch.empty(1, 1, 8, case["D"], dtype=dt)
@@ -44,13 +40,11 @@ def configurations() -> list:
         ref = torch.empty(1, 1, case["L"], case["ref_dims"])
         configs += interface.launch_variants(
             interface.config_for(value, offsets, logits, ref, **grid.VARIANTS[case["variant"]]))
+    shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
-        for shape in tune.shapes_of(list(compare.PRESETS)):
-            value = torch.empty(1, 1, shape.M, shape.D, dtype=dt)
-            for loc_dt in (torch.float32, dt):
-                loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dt)
-                attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dt)
-                configs += interface.launch_variants(interface.config_for(value, loc, attn))
+        for loc_dt in (torch.float32, dt):
+            for cfg in sorted(tune.configs_of(shapes, [{}], dt, loc_dt), key=repr):
+                configs += interface.launch_variants(cfg)
     return list(dict.fromkeys(configs))
 
 

@@ -47,15 +47,22 @@ def shapes_of(names: list[str]) -> list:
     return compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)]))
 
 
-def precompile(shapes, variants, dtype):
+def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
+    """The configurations the presets' shapes run with each variant (value in dtype, locations and
+    weights in loc_dtype)."""
     configs = set()
     for shape in shapes:
         value = torch.empty(1, 1, shape.M, shape.D, dtype=dtype)
-        loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2)
-        attn = torch.empty(1, 1, shape.M, shape.L, shape.P)
+        loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
+        attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
         for tuning in variants:
             knobs = {k: v for k, v in tuning.items() if k != "window_fraction"}
             configs.add(interface.config_for(value, loc, attn, **knobs))
+    return configs
+
+
+def precompile(shapes, variants, dtype):
+    configs = configs_of(shapes, variants, dtype)
     t0 = time.time()
     interface.precompile(sorted(configs, key=repr))
     print(f"{len(configs)} configurations (and their launch variants) in the cache in {time.time() - t0:.1f} s",

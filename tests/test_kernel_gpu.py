@@ -73,21 +73,22 @@ def levels_of(c):
     return LEVELS + [(3, 4)] * (c["L"] - len(LEVELS))
 
 
+def case_config(c):
+    """The configuration a case's launches run."""
+    value, loc, attn = fake_inputs(c)
+    cfg = interface.config_for(value, loc, attn, **VARIANTS[c["variant"]])
+    # The grid's problems are small: every launch gives clusters whole segments, which gathers the L1
+    # levels first (interface._launch).
+    return interface.launch_variants(cfg)[-1]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels(request):
     """Compile the configurations of the selected cases up front, in parallel processes, into the disk
     cache."""
     selected = {item.callspec.id for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
-    configs = []
-    for c in CASES:
-        if case_id(c) in selected:
-            value, loc, attn = fake_inputs(c)
-            cfg = interface.config_for(value, loc, attn, **VARIANTS[c["variant"]])
-            # The grid's problems are small: every launch gives clusters whole segments, which gathers the
-            # L1 levels first (interface._launch).
-            configs.append(interface.launch_variants(cfg)[-1])
-    interface.precompile(configs, variants=False)
+    interface.precompile([case_config(c) for c in CASES if case_id(c) in selected], variants=False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
