@@ -25,9 +25,9 @@ LOG2E = math.log2(math.e)
 
 
 def exp_shifted(logit, top):
-    """exp(logit - top) as exp2. The difference comes first: written as logit * log2(e) - top', the
-    compiler contracts it into one FMA whose exact product no longer cancels the rounded maximum, and a
-    logit of 1e30 then gets the weight 0 or inf instead of 1."""
+    """exp(logit - top) as exp2, the difference first. Scaling first (logit * log2 e minus the scaled
+    maximum) lets the compiler contract it into one FMA whose exact product no longer cancels the rounded
+    maximum: a logit of 1e30 then got the weight 0 or inf instead of 1."""
     return cute.math.exp2((logit - top) * LOG2E, fastmath=True)
 
 
