@@ -157,6 +157,9 @@ def parse_args(argv=None):
     p.add_argument("--png", help="write a bar chart (matplotlib) here")
     p.add_argument("--ncu", metavar="IMPLS", help="profile implementations (comma list) with ncu (dram, l1tex, sm "
                    "throughput) on each selected preset instead of the comparison")
+    p.add_argument("--ncu-sections", default="", metavar="LIST",
+                   help="with --ncu: also these ncu sections (comma list, e.g. WarpStateStats,SchedulerStats,"
+                        "MemoryWorkloadAnalysis_Tables): stall reasons, issue slots, L1 wavefronts")
     p.add_argument("--ncu-child", metavar="IMPL", help=argparse.SUPPRESS)
     p.add_argument("--watchdog", type=float, default=60.0,
                    help="seconds the first (checked) run of an implementation may take before it counts as hung")
@@ -574,8 +577,10 @@ def strip_option(argv, option):
 
 def ncu_parent(args, argv):
     """Re-run this script under ncu with --ncu-child; only the kernels between cudaProfilerStart/Stop count."""
+    sections = [x for name in args.ncu_sections.split(",") if name.strip() for x in ("--section", name.strip())]
     cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "--metrics", ",".join(NCU_METRICS),
-           sys.executable, os.path.abspath(__file__)] + strip_option(argv, "--ncu") + [
+           *sections, sys.executable, os.path.abspath(__file__)] + strip_option(
+              strip_option(argv, "--ncu"), "--ncu-sections") + [
               "--ncu-child", args.ncu, "--no-progress"]
     print("running:", " ".join(cmd), flush=True)
     return subprocess.call(cmd)

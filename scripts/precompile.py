@@ -32,14 +32,7 @@ def configurations() -> list:
     import tune
 
     configs = [grid.case_config(case) for case in grid.CASES]
-    for case in grid.FUSED:
-        dt = grid.DTYPES[case["value"]]
-        value = torch.empty(1, 1, 8, case["D"], dtype=dt)
-        offsets = torch.empty(1, 1, 8, case["L"], case["P"], 2, dtype=dt)
-        logits = torch.empty(1, 1, 8, case["L"], case["P"], dtype=dt)
-        ref = torch.empty(1, 1, case["L"], case["ref_dims"])
-        configs += interface.launch_variants(
-            interface.config_for(value, offsets, logits, ref, **grid.VARIANTS[case["variant"]]))
+    configs += [grid.fused_case_config(case) for case in grid.FUSED]
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):

@@ -8,7 +8,7 @@ compare.py's, shuffled queries included.
     python scripts/tune.py --precompile --sweep ...               # only fill the kernel cache (no GPU needed)
 
 A variant is a ':'-separated list of knob=value of cute_deform.hopper.interface (TUNING, window_fraction,
-generic); the empty variant is the default.
+reorder_queries, generic); the empty variant is the default.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def parse_variant(spec: str) -> dict:
     for item in filter(None, spec.split(":")):
         key, value = item.split("=")
         out[key] = float(value) if "." in value else int(value) if value.lstrip("-").isdigit() else value
-    for key in ("generic", "l1_first"):
+    for key in ("generic", "l1_first", "permuted", "reorder_queries"):
         if key in out:
             out[key] = bool(out[key])
     return out
@@ -56,8 +56,7 @@ def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
         loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
         attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
         for tuning in variants:
-            knobs = {k: v for k, v in tuning.items() if k != "window_fraction"}
-            configs.add(interface.config_for(value, loc, attn, **knobs))
+            configs.add(interface.config_for(value, loc, attn, **interface.static_tuning(tuning)))
     return configs
 
 

@@ -4,6 +4,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 interface = pytest.importorskip("cute_deform.hopper.interface")
 if not interface.available():
@@ -37,6 +38,10 @@ VARIANTS = [
     ("inputs-from-global", tiled("float16", "float32", "float32", 8, 3, 3, 32)),
     ("fused-xy", tiled("float16", "float32", "float32", 8, 4, 4, 32, fused=True, ref_dims=2)),
     ("fused-boxes-bf16", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 32, fused=True, ref_dims=4)),
+    # permuted: the tiles' queries through the order table (one-row input boxes; D=16 in fp16: 64 queries a
+    # tile, two warps' worth of table reads).
+    ("permuted-d16", tiled("float16", "float32", "float32", 8, 4, 4, 16, permuted=True)),
+    ("permuted-fused", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, permuted=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -70,9 +75,11 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert re.search(r"cp\.async\.bulk\.tensor\.[34]d", ptx) and "mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait" in ptx
     # A staging load per level, and two for each tile's inputs when they are prefetched (4-D boxes over
-    # (channels, head, pixel or query, image); 3-D where one head leaves that mode out).
+    # (channels, head, pixel or query, image); 3-D where one head leaves that mode out); with the order
+    # table two one-row boxes in a loop per 32 queries of a tile.
     loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
-    assert loads == cfg.num_levels + (2 if cfg.prefetch_inputs else 0)
+    input_loads = 2 * -(-cfg.queries_per_tile // 32) if cfg.permuted else 2
+    assert loads == cfg.num_levels + (input_loads if cfg.prefetch_inputs else 0)
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
@@ -168,13 +175,76 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
     assert interface.cache_dir() == tmp_path / "cute_deform"
 
 
-def test_precompile_covers_the_gather_order_the_launch_may_pick():
+def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True)]
-    assert interface.launch_variants(variants[1]) == [variants[1]]
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True), dataclasses.replace(cfg, cluster_size=1),
+                        dataclasses.replace(cfg, permuted=True)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
+    # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): no order table.
+    odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
+    assert not odd.prefetch_inputs and interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True)]
+
+
+H100 = dict(max_grid=132, l2_bytes=50 << 20)
+
+
+def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface.WINDOW_L2_FRACTION):
+    changes, grid, schedule = interface.choose_launch(cfg, N, Lq, S, H100["max_grid"], H100["l2_bytes"], window,
+                                                      reorder, frozenset(fixed))
+    return changes, grid, schedule
+
+
+@pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
+    # encoders: one round of long ranges -> single CTAs
+    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1)),
+    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1)),
+    # decoders: whole segments -> L1 levels first, CTA pairs
+    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True)),
+    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True)),
+    # a large batch: rounds and the order table, CTA pairs
+    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True)),
+])
+def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
+    cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
+    changes, grid, schedule = launch_of(cfg, N, Lq, S)
+    assert changes == expected, preset
+    assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["max_grid"]
+    if preset == "seed-b48":
+        assert schedule.rounds > 1
+
+
+def test_launch_choices_follow_the_caller():
+    cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
+    # An explicit cluster size stays; reorder_queries forces the table on or off.
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
+    assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1)
+    assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
+    # No order table without the input rings, nor for a single tile of queries.
+    odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)
+    assert "permuted" not in launch_of(odd, 4096, 20000, 20000)[0]
+    assert "permuted" not in launch_of(cfg, 1 << 20, 16, 20000)[0]
+
+
+def test_query_order_is_a_spatial_permutation():
+    gen = torch.Generator().manual_seed(5)
+    N, Lq = 3, 500
+    loc = torch.rand(N, Lq, 8, 4, 2, 2, generator=gen)
+    loc[1, 7, 0, 0, 0] = float("nan")
+    order = interface.query_order(loc, None)
+    assert order.dtype == torch.int64 and order.shape == (N, Lq)
+    for n in range(N):
+        assert sorted(order[n].tolist()) == list(range(Lq)), "a permutation of each image's queries"
+    xy = loc[:, :, 0, 0, 0].gather(1, order[..., None].expand(N, Lq, 2))
+    band = torch.floor(xy[..., 1] * interface.ORDER_BANDS)
+    ok = ~torch.isnan(band[0])
+    assert (band[0][ok].diff() >= 0).all(), "bands of y ascend"
+    assert order[1, -1] == 7, "a NaN position sorts last"
+    # Fused: the reference point of the first level decides.
+    ref = torch.rand(N, Lq, 4, 2, generator=gen)
+    expected = torch.argsort(torch.floor(ref[..., 0, 1] * interface.ORDER_BANDS) + ref[..., 0, 0] * 0.5, dim=1)
+    assert torch.equal(interface.query_order(loc, ref), expected)
 
 
 def ranges(num_tiles, blocks, clusters, schedule):

@@ -4,6 +4,7 @@ powers of two or not, up to 1025), M 1 and 8, odd level sizes with H or W = 1, l
 borders and on pixel centres, every variant of the tiled kernel, the generic kernel, and the fused
 kernels (reference points, offsets and logits). Outputs are poisoned before every run. Skipped without a
 Hopper GPU (tests/conftest.py)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -29,6 +30,7 @@ VARIANTS = {
     "nocluster": dict(cluster_size=1),
     "nostage": dict(stage_bytes=0, cluster_size=1),
     "generic": dict(generic=True),
+    "reorder": dict(reorder_queries=True),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
 
@@ -46,9 +48,12 @@ def cases():
     for L, P in ((1, 1), (2, 2), (3, 3), (1, 16), (5, 16), (5, 1), (6, 4), (4, 20)):
         out.append(dict(value="fp16", loc="fp32", D=32, L=L, P=P, M=1, variant="default"))
     # The remaining variants.
-    for variant in ("nocluster", "nostage", "generic"):
+    for variant in ("nocluster", "nostage", "generic", "reorder"):
         for vname in ("fp32", "fp16", "bf16"):
             out.append(dict(value=vname, loc="fp16", D=32, L=5, P=8, M=8, variant=variant))
+    # The order table with 64, 16 and 4 queries a tile (two, one and a partial warp of table reads).
+    for vname, D in (("fp16", 16), ("fp16", 64), ("fp32", 128)):
+        out.append(dict(value=vname, loc="fp32", D=D, L=4, P=4, M=8, variant="reorder"))
     return out
 
 
@@ -73,13 +78,28 @@ def levels_of(c):
     return LEVELS + [(3, 4)] * (c["L"] - len(LEVELS))
 
 
+def launched_config(value, loc, attn, ref, tuning):
+    """The configuration the grid's launches run."""
+    cfg = interface.config_for(value, loc, attn, ref, **interface.static_tuning(tuning))
+    if not isinstance(cfg, interface.KernelConfig) or cfg.fine_gather != "ldg":
+        return cfg
+    # The grid's problems are small: every launch gives clusters whole segments, which gathers the L1
+    # levels first (interface._launch); with reorder_queries, through the order table.
+    return dataclasses.replace(cfg, l1_first=True, permuted=bool(tuning.get("reorder_queries")) and cfg.prefetch_inputs)
+
+
 def case_config(c):
     """The configuration a case's launches run."""
-    value, loc, attn = fake_inputs(c)
-    cfg = interface.config_for(value, loc, attn, **VARIANTS[c["variant"]])
-    # The grid's problems are small: every launch gives clusters whole segments, which gathers the L1
-    # levels first (interface._launch).
-    return interface.launch_variants(cfg)[-1]
+    return launched_config(*fake_inputs(c), None, VARIANTS[c["variant"]])
+
+
+def fused_case_config(c):
+    dt = DTYPES[c["value"]]
+    value = torch.empty(1, 1, 8, c["D"], dtype=dt)
+    offsets = torch.empty(1, 1, 8, c["L"], c["P"], 2, dtype=dt)
+    logits = torch.empty(1, 1, 8, c["L"], c["P"], dtype=dt)
+    ref = torch.empty(1, 1, c["L"], c["ref_dims"])
+    return launched_config(value, offsets, logits, ref, VARIANTS[c["variant"]])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +108,9 @@ def compiled_kernels(request):
     cache."""
     selected = {item.callspec.id for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec")}
-    interface.precompile([case_config(c) for c in CASES if case_id(c) in selected], variants=False)
+    configs = ([case_config(c) for c in CASES if case_id(c) in selected]
+               + [fused_case_config(c) for c in FUSED if fused_case_id(c) in selected])
+    interface.precompile(configs, variants=False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -110,12 +132,16 @@ def test_kernel_matches_float64_reference(gen, case):
 
 
 FUSED = ([dict(value=v, ref_dims=r, D=32, L=4, P=4, variant=var)
-          for v, r, var in itertools.product(("fp32", "fp16", "bf16"), (2, 4), ("default", "generic"))]
+          for v, r, var in itertools.product(("fp32", "fp16", "bf16"), (2, 4), ("default", "generic", "reorder"))]
          + [dict(value="fp16", ref_dims=r, D=D, L=L, P=P, variant="default")
             for r, (D, L, P) in itertools.product((2, 4), ((48, 3, 3), (30, 2, 5)))])
 
 
-@pytest.mark.parametrize("case", FUSED, ids=lambda c: f"{c['variant']}-v{c['value']}-ref{c['ref_dims']}-D{c['D']}-L{c['L']}-P{c['P']}")
+def fused_case_id(c):
+    return f"{c['variant']}-v{c['value']}-ref{c['ref_dims']}-D{c['D']}-L{c['L']}-P{c['P']}"
+
+
+@pytest.mark.parametrize("case", FUSED, ids=fused_case_id)
 def test_fused_kernel_matches_float64_reference(gen, case):
     """Locations from reference points and offsets, softmax of the logits, in the kernel."""
     levels = LEVELS[:case["L"]]
@@ -145,8 +171,10 @@ def test_kernel_on_a_large_batch_matches_reference(gen, order):
         loc = loc[:, torch.randperm(loc.shape[1], generator=gen)]
     value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
     shapes, starts = shapes.cuda(), starts.cuda()
-    for window in (0.0, 0.01, 0.5):  # one round; many rounds; the default
-        out = interface.msda_forward(value, shapes, starts, loc, attn, window_fraction=window)
-        ref = ms_deform_attn_reference(value[:2], shapes, starts, loc[:2], attn[:2], out_dtype=torch.float64)
+    ref = ms_deform_attn_reference(value[:2], shapes, starts, loc[:2], attn[:2], out_dtype=torch.float64)
+    # one round (single CTAs); many rounds; the default; the default through the order table
+    for tuning in (dict(window_fraction=0.0), dict(window_fraction=0.01), {}, dict(reorder_queries=True)):
+        torch.full((value.numel(),), float("nan"), device="cuda")
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
         assert rel_err(out[:2], ref) <= BOUND[torch.float16]
         assert torch.isfinite(out).all()

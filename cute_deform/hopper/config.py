@@ -64,6 +64,9 @@ class KernelConfig(ProblemConfig):
     cluster_size: int = 2  # 2: CTA pairs share each range and multicast the staged levels
     fine_gather: str = "ldg"  # levels that are not staged: "ldg" 16-byte loads through L1, "tma" 2x2xD boxes
     l1_first: bool = False  # L1 levels before staged ones: a range's first tile starts before its staging
+    # Tiles take their queries through an order table (the host's sort by position): neighbours in a tile
+    # share footprints in L1 whatever order the caller's queries come in. Needs the input rings.
+    permuted: bool = False
 
     def __post_init__(self):
         if self.num_groups == 0:
@@ -72,6 +75,9 @@ class KernelConfig(ProblemConfig):
             raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
         if self.fused and self.fine_gather != "ldg":
             raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
+        if self.permuted and not self.prefetch_inputs:
+            raise ValueError("cute_deform: permuted queries need the prefetched input rings (fine_gather='ldg', "
+                             "rows of whole 16-byte vectors)")
         if self.threads > 1024:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
 

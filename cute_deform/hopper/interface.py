@@ -44,6 +44,12 @@ TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 10
 # the shortest range a cluster takes in a round, in tiles per group.
 WINDOW_L2_FRACTION = 0.5
 MIN_TILES_PER_GROUP = 2
+# Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
+# run the kernel through that order (reorder_queries="auto"): the sort costs a few launches and
+# tens of microseconds, which only large problems earn back (docs/performance.md).
+REORDER_MIN_SAMPLES = 1 << 26
+# Queries are sorted by this many bands of y, then by x: raster order on a grid finer than any level.
+ORDER_BANDS = 128
 
 
 def available() -> bool:
@@ -91,8 +97,9 @@ def _fake_args(cfg):
     ]
     if not tiled:
         return args + [cutlass.Int32(1)]
-    return args + [_row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128), cutlass.Int32(1), cutlass.Int32(1),
-                   cutlass.Int32(0)]
+    order = _row_major(cutlass.Int64, (cute.sym_int(), cute.sym_int()))  # (N, Lq), or a stand-in
+    return args[:6] + [order, args[6], _row_major(cutlass.Int64, (grid, cfg.map_slots, 16), 128),
+                       cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(0)]
 
 
 def compile_kernel(cfg, extra_options: str = ""):
@@ -194,11 +201,28 @@ def _compile_into_cache(cfg) -> str:
 
 
 def launch_variants(cfg) -> list:
-    """The configurations a launch with cfg may run: the tiled kernel switches to the L1-first gather
-    order where ranges are whole segments (_launch)."""
-    if isinstance(cfg, KernelConfig) and not cfg.l1_first and cfg.fine_gather == "ldg":
-        return [cfg, dataclasses.replace(cfg, l1_first=True)]
-    return [cfg]
+    """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
+    gather order where ranges are whole segments, to single CTAs where one round of long ranges runs,
+    and to the order table for large problems. (Rarer combinations compile when first met.)"""
+    if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
+        return [cfg]
+    out = [cfg]
+    if not cfg.l1_first:
+        out.append(dataclasses.replace(cfg, l1_first=True))
+    if cfg.cluster_size > 1:
+        out.append(dataclasses.replace(cfg, cluster_size=1))
+    if cfg.prefetch_inputs and not cfg.permuted:
+        out.append(dataclasses.replace(cfg, permuted=True))
+    return out
+
+
+LAUNCH_KNOBS = ("window_fraction", "reorder_queries")
+
+
+def static_tuning(tuning: dict) -> dict:
+    """The knobs of a tuning dict that pick the compiled configuration (config_for), without the
+    launch-time ones (LAUNCH_KNOBS)."""
+    return {k: v for k, v in tuning.items() if k not in LAUNCH_KNOBS}
 
 
 def precompile(configs, jobs: int | None = None, variants: bool = True) -> None:
@@ -254,7 +278,16 @@ class _LaunchPlan:
     cfg: object
     max_grid: int
     l2_bytes: int
-    l1_first_plan: "_LaunchPlan | None" = None
+    tuning: dict
+    variants: dict = dataclasses.field(default_factory=dict)
+
+    def variant(self, value, loc, attn, ref, **changes) -> "_LaunchPlan":
+        """The plan of the same call with other static knobs (cached on this plan)."""
+        key = tuple(changes.items())
+        plan = self.variants.get(key)
+        if plan is None:
+            plan = self.variants[key] = _plan_for(value, loc, attn, ref, {**self.tuning, **changes})
+        return plan
 
 
 _plans: dict = {}
@@ -269,7 +302,7 @@ def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
         cfg = config_for(value, loc, attn, ref, **tuning)
         sms, l2 = _device_props(value.get_device())
         per_sm = cfg.ctas_per_sm if isinstance(cfg, KernelConfig) else 1
-        plan = _LaunchPlan(kernel_for(cfg), cfg, sms * per_sm, l2)
+        plan = _LaunchPlan(kernel_for(cfg), cfg, sms * per_sm, l2, dict(tuning))
         _plans[key] = plan
     return plan
 
@@ -306,7 +339,6 @@ def _on_device(value, shapes, starts, loc, attn, ref, tuning):
         return _launch(value, shapes, starts, loc, attn, ref, tuning)
 
 
-@functools.lru_cache(maxsize=4096)  # a few microseconds of Python a call: once per problem size
 def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float):
     """The tile schedule of one launch of the tiled kernel (tile_scheduler.plan)."""
     blocks = -(-Lq // cfg.queries_per_tile)
@@ -317,10 +349,70 @@ def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_
         MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2)
 
 
+def query_order(loc: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """(N, Lq) int64: each image's queries sorted by position (bands of y, then x), on the device. The
+    position is the reference point's (fused) or the first sample's of head 0 at level 0; any order is
+    correct (the kernel computes each query once), a spatial one lets the queries of a tile share
+    footprints. NaN positions sort last."""
+    xy = ref[:, :, 0, :2] if ref is not None else loc[:, :, 0, 0, 0, :]
+    xy = xy.float()
+    key = torch.floor(xy[..., 1] * ORDER_BANDS).add_(xy[..., 0], alpha=0.5)
+    return torch.argsort(key, dim=1)
+
+
+_no_order: dict = {}
+_NOTHING_FIXED = frozenset()
+
+
+def _unused_order(device) -> torch.Tensor:
+    """The order argument of a kernel without the order table: never read."""
+    order = _no_order.get(device)
+    if order is None:
+        order = _no_order[device] = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    return order
+
+
+def grid_and_schedule(cfg, N: int, Lq: int, S: int, max_grid: int, l2_bytes: int, window: float):
+    """The grid of a launch of the tiled kernel (whole clusters, at most max_grid CTAs) and its schedule."""
+    blocks = -(-Lq // cfg.queries_per_tile)
+    grid = min(N * cfg.num_heads * blocks, max_grid)
+    grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
+    return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
+
+
+@functools.lru_cache(maxsize=4096)  # several microseconds of Python a call: once per problem size
+def choose_launch(cfg, N: int, Lq: int, S: int, max_grid: int, l2_bytes: int, window: float, reorder,
+                  fixed: frozenset = frozenset()):
+    """The static knobs a launch changes from cfg (a dict for dataclasses.replace; do not modify it), its
+    grid and its schedule. reorder: True, False or "auto"; fixed: the knobs the caller set, which stay."""
+    changes = {}
+    if reorder == "auto":
+        reorder = N * Lq * cfg.num_heads * cfg.level_points >= REORDER_MIN_SAMPLES and Lq > cfg.queries_per_tile
+    if reorder and cfg.prefetch_inputs and not cfg.permuted:
+        changes["permuted"] = True
+    grid, schedule = grid_and_schedule(cfg, N, Lq, S, max_grid, l2_bytes, window)
+    if schedule.rounds == 1 and not schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in fixed:
+        # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
+        # at each segment, win (148 against 176 us on detr-encoder, H100); multicast staging wins where
+        # ranges are short or whole segments (seed-b48, decoders).
+        changes["cluster_size"] = 1
+        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, cluster_size=1), N, Lq, S, max_grid, l2_bytes,
+                                           window)
+    if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
+        # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
+        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
+        changes["l1_first"] = True
+    return changes, grid, schedule
+
+
 def _launch(value, shapes, starts, loc, attn, ref, tuning):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
-    window = tuning.pop("window_fraction", WINDOW_L2_FRACTION) if tuning else WINDOW_L2_FRACTION
+    window, reorder = WINDOW_L2_FRACTION, "auto"
+    if tuning:
+        tuning = dict(tuning)
+        window = tuning.pop("window_fraction", window)
+        reorder = tuning.pop("reorder_queries", reorder)
     plan = _plan_for(value, loc, attn, ref, tuning)
     device = value.device
     out = torch.empty((N, Lq, M * D), dtype=value.dtype, device=device)
@@ -333,17 +425,13 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
     if isinstance(cfg, GenericConfig):
         plan.fn(value, shapes, starts, loc, attn, third, out, plan.max_grid * cfg.ctas_per_sm)
         return out
-    blocks = -(-Lq // cfg.queries_per_tile)
-    grid = min(N * M * blocks, plan.max_grid)
-    grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
-    schedule = schedule_for(cfg, N, Lq, S, grid, plan.l2_bytes, window)
-    if schedule.whole and cfg.fine_gather == "ldg" and "l1_first" not in tuning:
-        # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
-        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
-        if plan.l1_first_plan is None:
-            plan.l1_first_plan = _plan_for(value, loc, attn, ref, {**tuning, "l1_first": True})
-        plan = plan.l1_first_plan
-    maps = torch.empty((grid, cfg.map_slots, 16), dtype=torch.int64, device=device)
-    plan.fn(value, shapes, starts, loc, attn, third, out, maps, grid,
-            schedule.rounds, int(schedule.whole))
+    changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.max_grid, plan.l2_bytes, window, reorder,
+                                            frozenset(tuning) if tuning else _NOTHING_FIXED)
+    order = _unused_order(device)
+    if changes:
+        plan = plan.variant(value, loc, attn, ref, **changes)
+        if "permuted" in changes:
+            order = query_order(loc, ref)
+    maps = torch.empty((grid, plan.cfg.map_slots, 16), dtype=torch.int64, device=device)
+    plan.fn(value, shapes, starts, loc, attn, third, order, out, maps, grid, schedule.rounds, int(schedule.whole))
     return out

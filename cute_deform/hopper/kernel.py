@@ -57,6 +57,7 @@ class MSDAForward:
         self.boxes = config.fine_gather == "tma"
         self.prefetch = config.prefetch_inputs
         self.fused = config.fused
+        self.permuted = config.permuted
         self.value_dtype = DTYPES[config.value_dtype]
         self.loc_dtype = DTYPES[config.loc_dtype]
         self.attn_dtype = DTYPES[config.attn_dtype]
@@ -67,13 +68,18 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     # Host side: TMA atoms, shared storage, launch
     # ------------------------------------------------------------------------------------------------
+    def input_rows(self) -> int:
+        """Rows of one input box: a tile's G rows, or one row when its queries come through the order
+        table (one box per query)."""
+        return 1 if self.permuted else self.G
+
     def input_atom(self, tensor: cute.Tensor, per_query: int):
         """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
-        box (per_query, 1, G, 1); rows past Lq are zero filled."""
+        box (per_query, 1, input_rows, 1); rows past Lq are zero filled."""
         Lq, N = tensor.shape[1], tensor.shape[0]
         rows = cute.make_tensor(tensor.iterator, cute.make_layout(
             (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
-        box = (per_query, 1, self.G, 1)
+        box = (per_query, 1, self.input_rows(), 1)
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
 
     @cute.jit
@@ -85,6 +91,7 @@ class MSDAForward:
         mLoc: cute.Tensor,  # (N, Lq, M, L, P, 2): locations, or fused: sampling offsets
         mAttn: cute.Tensor,  # (N, Lq, M, L, P): weights, or fused: attention logits
         mRef: cute.Tensor,  # fused: (N, Lq, L, 2 or 4) reference points (unfused: unused)
+        mOrder: cute.Tensor,  # permuted: (N, Lq) int64, the queries of each image in the order tiles take them
         mOut: cute.Tensor,  # (N, Lq, M*D): the op's output as is
         mDesc: cute.Tensor,  # (grid, map_slots, 16) int64: tensor-map slots of each CTA
         grid_size: cutlass.Int32,
@@ -137,7 +144,7 @@ class MSDAForward:
         self.shared_storage = SharedStorage
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mShapes,
-                    mStarts, mLoc, mAttn, mRef, mOut, mDesc, num_tiles, rounds, whole).launch(
+                    mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds, whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -150,8 +157,9 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-               box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor, mStarts: cute.Tensor, mLoc: cute.Tensor,
-               mAttn: cute.Tensor, mRef: cute.Tensor, mOut: cute.Tensor, mDesc: cute.Tensor,
+               box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
+               mStarts: cute.Tensor, mLoc: cute.Tensor, mAttn: cute.Tensor, mRef: cute.Tensor, mOrder: cute.Tensor,
+               mOut: cute.Tensor, mDesc: cute.Tensor,
                num_tiles: cutlass.Int64, rounds: cutlass.Int32, whole: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -219,11 +227,11 @@ class MSDAForward:
         consumer_warps = self.groups * CONSUMER_WARPS
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                          box_template, mValue, mLoc, mDesc, storage, input_rings, box_rings, staging, scheduler,
-                          rounds, sizes, starts, staged, offsets, used, rank, bidx)
+                          box_template, mValue, mLoc, mOrder, mDesc, storage, input_rings, box_rings, staging,
+                          scheduler, rounds, sizes, starts, staged, offsets, used, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
-            self.consumer(g, mValue, mLoc, mAttn, mRef, mOut, storage, input_rings, box_rings, staging,
+            self.consumer(g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging,
                           scheduler, rounds, rank, tidx - g * self.consumer_threads)
         if cutlass.const_expr(self.cluster > 1):
             # Neither CTA of a pair exits while the other may still multicast into it.
@@ -256,7 +264,7 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, g, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
-                 mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
+                 mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
                  used, rank, bidx):
         box_maps = []
         if cutlass.const_expr(self.boxes):
@@ -279,7 +287,7 @@ class MSDAForward:
                     q0 = scheduler.first_query(tile, nm, self.G)
                     if cutlass.const_expr(self.prefetch):
                         input_state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
-                                                       input_rings, input_state, n, m, q0)
+                                                       input_rings, input_state, mOrder, n, m, q0)
                     if cutlass.const_expr(self.boxes):
                         box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes, staged, n,
                                                     m, q0)
@@ -320,20 +328,35 @@ class MSDAForward:
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
 
     @cute.jit
-    def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, n, m, q0):
-        """One tile's rows of locations and weights (or offsets and logits): two TMA boxes."""
+    def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mOrder, n, m, q0):
+        """One tile's rows of locations and weights (or offsets and logits): two TMA boxes, or with the
+        order table two one-row boxes per query (lane j reads the table for the tile's queries j, j + 32,
+        ...; the elected lane issues every box)."""
         full = rings.acquire(state)
-        block = q0 // self.G
-        self.load_rows(loc_atom, loc_tma, sLoc[None, state.index], 2 * self.LP, full, n, m, block)
-        self.load_rows(attn_atom, attn_tma, sAttn[None, state.index], self.LP, full, n, m, block)
+        loc_stage, attn_stage = sLoc[None, state.index], sAttn[None, state.index]
+        if cutlass.const_expr(self.permuted):
+            Lq = mOrder.shape[1]
+            lane = cute.arch.lane_idx()
+            for base in cutlass.range_constexpr(0, self.G, 32):
+                mine = cutlass.Int32(mOrder[n, cutlass.min(q0 + base + lane, Lq - 1)])
+                for j in cutlass.range(cutlass.min(32, self.G - base), unroll=1):
+                    query = cute.arch.shuffle_sync(mine, j)
+                    slot = base + j
+                    self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, query, slot)
+                    self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, query, slot)
+        else:
+            block = q0 // self.G
+            self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, block, 0)
+            self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, block, 0)
         state.advance(rings.groups)
         return state
 
     @cute.jit
-    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, block):
-        box = (per_query, 1, self.G, 1)
-        src = cute.local_tile(tma, box, (0, m, block, n))
-        dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
+    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, box_index, slot):
+        """One input box (box_index in units of boxes along Lq) into the stage at row `slot`."""
+        box = (per_query, 1, self.input_rows(), 1)
+        src = cute.local_tile(tma, box, (0, m, box_index, n))
+        dst = cute.make_tensor(stage.iterator + slot * per_query, cute.make_layout(box))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
                                          cute.group_modes(src, 0, 4))
         cute.copy(atom, tIg, tIs, tma_bar_ptr=full)
@@ -409,7 +432,7 @@ class MSDAForward:
     # Consumer warps
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def consumer(self, g, mValue, mLoc, mAttn, mRef, mOut, storage, input_rings, box_rings, staging,
+    def consumer(self, g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging,
                  scheduler, rounds, rank, tidx):
         Lq = mLoc.shape[1]
         sLevels = self.level_table_in(storage)
@@ -437,8 +460,11 @@ class MSDAForward:
                 first = t + rank * self.groups + g
                 for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
                     q0 = scheduler.first_query(tile, nm, self.G)
+                    # q: the query's place in the tile sequence; qc: the query whose row it reads and writes.
                     q = q0 + slot
                     qc = cutlass.min(q0 + read_slot, Lq - 1)
+                    if cutlass.const_expr(self.permuted):
+                        qc = cutlass.Int32(mOrder[n, qc])
                     acc = cute.make_rmem_tensor(cute.make_layout(self.C), cutlass.Float32)
                     acc.fill(0.0)
                     row = (cutlass.Int64(n) * Lq + qc) * self.M + m
@@ -457,7 +483,7 @@ class MSDAForward:
                     if active and q < Lq:
                         if sLevels[self.L, 0] == 0:
                             acc.fill(cutlass.Float32(float("nan")))
-                        out = cute.make_tensor(row_pointer(mOut, cutlass.Int64(n) * Lq + q, self.M * self.D,
+                        out = cute.make_tensor(row_pointer(mOut, cutlass.Int64(n) * Lq + qc, self.M * self.D,
                                                            m * self.D + chunk * self.C, self.C),
                                                cute.make_layout(self.C))
                         out.store(acc.load().to(mOut.element_type))
