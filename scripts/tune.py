@@ -60,10 +60,36 @@ def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
     return configs
 
 
+# The GPU the launches are planned for when compiling ahead on another machine: an H100 (132 SMs, 50 MB
+# of L2); an H200's launches pick the same configurations.
+PLAN_SMS, PLAN_L2_BYTES = 132, 50 << 20
+
+
+def launched_configs(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
+    """The configurations the presets' launches run with each variant (interface.choose_launch)."""
+    import dataclasses
+
+    configs = set()
+    for shape in shapes:
+        value = torch.empty(1, 1, shape.M, shape.D, dtype=dtype)
+        loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
+        attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
+        for tuning in variants:
+            cfg = interface.config_for(value, loc, attn, **interface.static_tuning(tuning))
+            if isinstance(cfg, interface.KernelConfig):
+                changes, _, _ = interface.choose_launch(
+                    cfg, shape.N, shape.Lq, shape.S, PLAN_SMS, PLAN_L2_BYTES,
+                    tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
+                    tuning.get("reorder_queries", "auto"), frozenset(tuning))
+                cfg = dataclasses.replace(cfg, **changes)
+            configs.add(cfg)
+    return configs
+
+
 def precompile(shapes, variants, dtype):
-    configs = configs_of(shapes, variants, dtype)
+    configs = launched_configs(shapes, variants, dtype)
     t0 = time.time()
-    interface.precompile(sorted(configs, key=repr))
+    interface.precompile(sorted(configs, key=repr), variants=False)
     print(f"{len(configs)} configurations (and their launch variants) in the cache in {time.time() - t0:.1f} s",
           flush=True)
 

@@ -76,10 +76,11 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert "mbarrier.try_wait" in ptx
     # A staging load per level, and two for each tile's inputs when they are prefetched (4-D boxes over
     # (channels, head, pixel or query, image); 3-D where one head leaves that mode out); with the order
-    # table two one-row boxes in a loop per 32 queries of a tile.
+    # table each lane copies rows of its queries with plain bulk copies (two per 32 queries of a tile).
     loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
-    input_loads = 2 * -(-cfg.queries_per_tile // 32) if cfg.permuted else 2
-    assert loads == cfg.num_levels + (input_loads if cfg.prefetch_inputs else 0)
+    assert loads == cfg.num_levels + (2 if cfg.prefetch_inputs and not cfg.permuted else 0)
+    rows = len(re.findall(r"^\s*cp\.async\.bulk\.shared::cluster\.global", ptx, re.M))
+    assert rows == (2 * -(-cfg.queries_per_tile // 32) if cfg.permuted else 0)
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
@@ -178,8 +179,8 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True), dataclasses.replace(cfg, cluster_size=1),
-                        dataclasses.replace(cfg, permuted=True)]
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=6), dataclasses.replace(cfg, permuted=True)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): no order table.
@@ -187,19 +188,19 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     assert not odd.prefetch_inputs and interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True)]
 
 
-H100 = dict(max_grid=132, l2_bytes=50 << 20)
+H100 = dict(sms=132, l2_bytes=50 << 20)
 
 
 def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface.WINDOW_L2_FRACTION):
-    changes, grid, schedule = interface.choose_launch(cfg, N, Lq, S, H100["max_grid"], H100["l2_bytes"], window,
+    changes, grid, schedule = interface.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], window,
                                                       reorder, frozenset(fixed))
     return changes, grid, schedule
 
 
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
     # encoders: one round of long ranges -> single CTAs
-    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1)),
-    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1)),
+    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=6)),
+    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=6)),
     # decoders: whole segments -> L1 levels first, CTA pairs
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True)),
@@ -210,7 +211,7 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
     changes, grid, schedule = launch_of(cfg, N, Lq, S)
     assert changes == expected, preset
-    assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["max_grid"]
+    assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["sms"]
     if preset == "seed-b48":
         assert schedule.rounds > 1
 
@@ -219,7 +220,8 @@ def test_launch_choices_follow_the_caller():
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     # An explicit cluster size stays; reorder_queries forces the table on or off.
     assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
-    assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1)
+    assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1)
     assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
     # No order table without the input rings, nor for a single tile of queries.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)

@@ -50,6 +50,10 @@ MIN_TILES_PER_GROUP = 2
 REORDER_MIN_SAMPLES = 1 << 26
 # Queries are sorted by this many bands of y, then by x: raster order on a grid finer than any level.
 ORDER_BANDS = 128
+# Groups of a CTA when single CTAs run one round of long ranges (encoders): 6 against the automatic 4
+# or 5, measured 107.6 / 141.6 / 133.2 against 116.4 / 149.0 / 142.1 us on dcnv4-test / detr-encoder /
+# detr-encoder-init (H100).
+SINGLE_CTA_GROUPS = 6
 
 
 def available() -> bool:
@@ -210,7 +214,7 @@ def launch_variants(cfg) -> list:
     if not cfg.l1_first:
         out.append(dataclasses.replace(cfg, l1_first=True))
     if cfg.cluster_size > 1:
-        out.append(dataclasses.replace(cfg, cluster_size=1))
+        out.append(dataclasses.replace(cfg, cluster_size=1, num_groups=SINGLE_CTA_GROUPS))
     if cfg.prefetch_inputs and not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True))
     return out
@@ -276,7 +280,7 @@ class _LaunchPlan:
 
     fn: object
     cfg: object
-    max_grid: int
+    sms: int
     l2_bytes: int
     tuning: dict
     variants: dict = dataclasses.field(default_factory=dict)
@@ -301,8 +305,7 @@ def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
     if plan is None:
         cfg = config_for(value, loc, attn, ref, **tuning)
         sms, l2 = _device_props(value.get_device())
-        per_sm = cfg.ctas_per_sm if isinstance(cfg, KernelConfig) else 1
-        plan = _LaunchPlan(kernel_for(cfg), cfg, sms * per_sm, l2, dict(tuning))
+        plan = _LaunchPlan(kernel_for(cfg), cfg, sms, l2, dict(tuning))
         _plans[key] = plan
     return plan
 
@@ -372,16 +375,17 @@ def _unused_order(device) -> torch.Tensor:
     return order
 
 
-def grid_and_schedule(cfg, N: int, Lq: int, S: int, max_grid: int, l2_bytes: int, window: float):
-    """The grid of a launch of the tiled kernel (whole clusters, at most max_grid CTAs) and its schedule."""
+def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float):
+    """The grid of a launch of the tiled kernel (whole clusters, at most the CTAs the GPU holds at once)
+    and its schedule."""
     blocks = -(-Lq // cfg.queries_per_tile)
-    grid = min(N * cfg.num_heads * blocks, max_grid)
+    grid = min(N * cfg.num_heads * blocks, sms * cfg.ctas_per_sm)
     grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
 @functools.lru_cache(maxsize=4096)  # several microseconds of Python a call: once per problem size
-def choose_launch(cfg, N: int, Lq: int, S: int, max_grid: int, l2_bytes: int, window: float, reorder,
+def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, reorder,
                   fixed: frozenset = frozenset()):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace; do not modify it), its
     grid and its schedule. reorder: True, False or "auto"; fixed: the knobs the caller set, which stay."""
@@ -390,14 +394,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, max_grid: int, l2_bytes: int, wi
         reorder = N * Lq * cfg.num_heads * cfg.level_points >= REORDER_MIN_SAMPLES and Lq > cfg.queries_per_tile
     if reorder and cfg.prefetch_inputs and not cfg.permuted:
         changes["permuted"] = True
-    grid, schedule = grid_and_schedule(cfg, N, Lq, S, max_grid, l2_bytes, window)
+    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     if schedule.rounds == 1 and not schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in fixed:
         # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
-        # at each segment, win (148 against 176 us on detr-encoder, H100); multicast staging wins where
-        # ranges are short or whole segments (seed-b48, decoders).
+        # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with six groups
+        # (142); multicast staging wins where ranges are short or whole segments (seed-b48, decoders).
         changes["cluster_size"] = 1
-        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, cluster_size=1), N, Lq, S, max_grid, l2_bytes,
-                                           window)
+        if "num_groups" not in fixed:
+            six = dataclasses.replace(cfg, cluster_size=1, num_groups=SINGLE_CTA_GROUPS)
+            if six.prefetch_inputs == cfg.prefetch_inputs and six.threads <= 1024 and six.stage_pixels > 0:
+                changes["num_groups"] = SINGLE_CTA_GROUPS
+        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
         # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
@@ -423,9 +430,9 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
     value, loc, attn = _aligned(value), _aligned(loc), _aligned(attn)
     third = _aligned(ref) if ref is not None else loc
     if isinstance(cfg, GenericConfig):
-        plan.fn(value, shapes, starts, loc, attn, third, out, plan.max_grid * cfg.ctas_per_sm)
+        plan.fn(value, shapes, starts, loc, attn, third, out, plan.sms * cfg.ctas_per_sm)
         return out
-    changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.max_grid, plan.l2_bytes, window, reorder,
+    changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.sms, plan.l2_bytes, window, reorder,
                                             frozenset(tuning) if tuning else _NOTHING_FIXED)
     order = _unused_order(device)
     if changes:

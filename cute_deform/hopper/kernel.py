@@ -68,18 +68,13 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     # Host side: TMA atoms, shared storage, launch
     # ------------------------------------------------------------------------------------------------
-    def input_rows(self) -> int:
-        """Rows of one input box: a tile's G rows, or one row when its queries come through the order
-        table (one box per query)."""
-        return 1 if self.permuted else self.G
-
     def input_atom(self, tensor: cute.Tensor, per_query: int):
         """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
-        box (per_query, 1, input_rows, 1); rows past Lq are zero filled."""
+        box (per_query, 1, G, 1); rows past Lq are zero filled."""
         Lq, N = tensor.shape[1], tensor.shape[0]
         rows = cute.make_tensor(tensor.iterator, cute.make_layout(
             (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
-        box = (per_query, 1, self.input_rows(), 1)
+        box = (per_query, 1, self.G, 1)
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
 
     @cute.jit
@@ -109,7 +104,7 @@ class MSDAForward:
         stage_box = (D, 1, STAGE_BOX_PIXELS, 1)
         stage_atom, stage_tma = cpasync.make_tiled_tma_atom(stage_op, pixels, cute.make_layout(stage_box), stage_box)
         loc_atom, loc_tma, attn_atom, attn_tma = stage_atom, stage_tma, stage_atom, stage_tma
-        if cutlass.const_expr(self.prefetch):
+        if cutlass.const_expr(self.prefetch and not self.permuted):
             loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP)
             attn_atom, attn_tma = self.input_atom(mAttn, self.LP)
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
@@ -179,7 +174,7 @@ class MSDAForward:
         staging.init(warp)
         if warp == 0:
             cpasync.prefetch_descriptor(stage_atom)
-            if cutlass.const_expr(self.prefetch):
+            if cutlass.const_expr(self.prefetch and not self.permuted):
                 cpasync.prefetch_descriptor(loc_atom)
                 cpasync.prefetch_descriptor(attn_atom)
         # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
@@ -227,7 +222,7 @@ class MSDAForward:
         consumer_warps = self.groups * CONSUMER_WARPS
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                          box_template, mValue, mLoc, mOrder, mDesc, storage, input_rings, box_rings, staging,
+                          box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging,
                           scheduler, rounds, sizes, starts, staged, offsets, used, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
@@ -264,7 +259,7 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, g, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
-                 mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
+                 mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
                  used, rank, bidx):
         box_maps = []
         if cutlass.const_expr(self.boxes):
@@ -287,7 +282,7 @@ class MSDAForward:
                     q0 = scheduler.first_query(tile, nm, self.G)
                     if cutlass.const_expr(self.prefetch):
                         input_state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
-                                                       input_rings, input_state, mOrder, n, m, q0)
+                                                       input_rings, input_state, mLoc, mAttn, mOrder, n, m, q0)
                     if cutlass.const_expr(self.boxes):
                         box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes, staged, n,
                                                     m, q0)
@@ -328,38 +323,45 @@ class MSDAForward:
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
 
     @cute.jit
-    def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mOrder, n, m, q0):
-        """One tile's rows of locations and weights (or offsets and logits): two TMA boxes, or with the
-        order table two one-row boxes per query (lane j reads the table for the tile's queries j, j + 32,
-        ...; the elected lane issues every box)."""
+    def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mLoc, mAttn, mOrder, n,
+                    m, q0):
+        """One tile's rows of locations and weights (or offsets and logits): two TMA boxes; or, through the
+        order table, lane j copies the rows of the tile's queries j, j + 32, ... with two bulk copies each
+        (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel)."""
         full = rings.acquire(state)
         loc_stage, attn_stage = sLoc[None, state.index], sAttn[None, state.index]
         if cutlass.const_expr(self.permuted):
             Lq = mOrder.shape[1]
             lane = cute.arch.lane_idx()
             for base in cutlass.range_constexpr(0, self.G, 32):
-                mine = cutlass.Int32(mOrder[n, cutlass.min(q0 + base + lane, Lq - 1)])
-                for j in cutlass.range(cutlass.min(32, self.G - base), unroll=1):
-                    query = cute.arch.shuffle_sync(mine, j)
-                    slot = base + j
-                    self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, query, slot)
-                    self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, query, slot)
+                slot = base + lane
+                if slot < self.G:
+                    query = cutlass.Int32(mOrder[n, cutlass.min(q0 + slot, Lq - 1)])
+                    row = (cutlass.Int64(n) * Lq + query) * self.M + m
+                    self.copy_row(mLoc, loc_stage, row, slot, 2 * self.LP, full)
+                    self.copy_row(mAttn, attn_stage, row, slot, self.LP, full)
         else:
             block = q0 // self.G
-            self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, block, 0)
-            self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, block, 0)
+            self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, block)
+            self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, block)
         state.advance(rings.groups)
         return state
 
     @cute.jit
-    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, box_index, slot):
-        """One input box (box_index in units of boxes along Lq) into the stage at row `slot`."""
-        box = (per_query, 1, self.input_rows(), 1)
-        src = cute.local_tile(tma, box, (0, m, box_index, n))
-        dst = cute.make_tensor(stage.iterator + slot * per_query, cute.make_layout(box))
+    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, block):
+        box = (per_query, 1, self.G, 1)
+        src = cute.local_tile(tma, box, (0, m, block, n))
+        dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
                                          cute.group_modes(src, 0, 4))
         cute.copy(atom, tIg, tIs, tma_bar_ptr=full)
+
+    @cute.jit
+    def copy_row(self, tensor, stage, row, slot, per_query: int, full):
+        """Row `row` of an (N*Lq*M, per_query) input into the stage at `slot`: one bulk copy."""
+        src = row_pointer(tensor, row, per_query, 0, per_query)
+        prims.cp_async_bulk_shared_cluster_global(stage.iterator + slot * per_query, src, full,
+                                                  per_query * (tensor.element_type.width // 8))
 
     @cute.jit
     def publish_box_maps(self, g, box_template, mValue, mDesc, storage, sizes, starts, bidx):
