@@ -33,6 +33,11 @@ def configurations() -> list:
 
     configs = [grid.case_config(case) for case in grid.CASES]
     configs += [grid.fused_case_config(case) for case in grid.FUSED]
+    # The Deformable DETR layer and model of scripts/bench_layer.py: the fused op with fp32 and fp16 weights.
+    for dt in (torch.float32, torch.float16):
+        value, ref = torch.empty(1, 1, 8, 32, dtype=dt), torch.empty(1, 1, 4, 2, dtype=dt)
+        offsets, logits = torch.empty(1, 1, 8, 4, 4, 2, dtype=dt), torch.empty(1, 1, 8, 4, 4, dtype=dt)
+        configs += interface.launch_variants(interface.config_for(value, offsets, logits, ref))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):

@@ -276,14 +276,21 @@ def _device_props(index: int):
 
 @dataclass
 class _LaunchPlan:
-    """What a call needs besides the tensors, worked out once per static key."""
+    """What a call needs besides the tensors, worked out once per static key. The kernel compiles (or
+    loads) when first launched: a plan whose calls all switch to a variant never builds its own."""
 
-    fn: object
     cfg: object
     sms: int
     l2_bytes: int
     tuning: dict
     variants: dict = dataclasses.field(default_factory=dict)
+    _fn: object = None
+
+    @property
+    def fn(self):
+        if self._fn is None:
+            self._fn = kernel_for(self.cfg)
+        return self._fn
 
     def variant(self, value, loc, attn, ref, **changes) -> "_LaunchPlan":
         """The plan of the same call with other static knobs (cached on this plan)."""
@@ -305,7 +312,7 @@ def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
     if plan is None:
         cfg = config_for(value, loc, attn, ref, **tuning)
         sms, l2 = _device_props(value.get_device())
-        plan = _LaunchPlan(kernel_for(cfg), cfg, sms, l2, dict(tuning))
+        plan = _LaunchPlan(cfg, sms, l2, dict(tuning))
         _plans[key] = plan
     return plan
 
