@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from . import op as _op
-from ._checks import FUSED_NAMES, validate_fused
+from ._checks import FUSED_NAMES, _check_tensor, validate_fused
 from .reference import fused_sampling_inputs, ms_deform_attn_reference
 
 SCHEMA = (
@@ -142,6 +142,5 @@ def ms_deform_attn_fused(
     TypeError naming it instead of the dispatcher's RuntimeError."""
     args = (value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits)
     for arg, name in zip(args, FUSED_NAMES):
-        if not isinstance(arg, torch.Tensor):
-            raise TypeError(f"cute_deform: {name}: expected a torch.Tensor, got {type(arg).__name__}")
+        _check_tensor(arg, name)
     return forward_fused(*args)
