@@ -13,6 +13,7 @@ reorder_queries, generic); the empty variant is the default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -47,17 +48,20 @@ def shapes_of(names: list[str]) -> list:
     return compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)]))
 
 
-def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
-    """The configurations the presets' shapes run with each variant (value in dtype, locations and
-    weights in loc_dtype)."""
-    configs = set()
+def _variant_configs(shapes, variants, dtype, loc_dtype):
+    """(shape, tuning, configuration the variant compiles) for every preset shape and variant (value in
+    dtype, locations and weights in loc_dtype)."""
     for shape in shapes:
         value = torch.empty(1, 1, shape.M, shape.D, dtype=dtype)
         loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
         attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
         for tuning in variants:
-            configs.add(interface.config_for(value, loc, attn, **interface.static_tuning(tuning)))
-    return configs
+            yield shape, tuning, interface.config_for(value, loc, attn, **interface.static_tuning(tuning))
+
+
+def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
+    """The configurations the presets' shapes run with each variant."""
+    return {cfg for _, _, cfg in _variant_configs(shapes, variants, dtype, loc_dtype)}
 
 
 # The GPU the launches are planned for when compiling ahead on another machine: an H100 (132 SMs, 50 MB
@@ -67,22 +71,15 @@ PLAN_SMS, PLAN_L2_BYTES = 132, 50 << 20
 
 def launched_configs(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
     """The configurations the presets' launches run with each variant (interface.choose_launch)."""
-    import dataclasses
-
     configs = set()
-    for shape in shapes:
-        value = torch.empty(1, 1, shape.M, shape.D, dtype=dtype)
-        loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
-        attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
-        for tuning in variants:
-            cfg = interface.config_for(value, loc, attn, **interface.static_tuning(tuning))
-            if isinstance(cfg, interface.KernelConfig):
-                changes, _, _ = interface.choose_launch(
-                    cfg, shape.N, shape.Lq, shape.S, PLAN_SMS, PLAN_L2_BYTES,
-                    tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
-                    tuning.get("reorder_queries", "auto"), frozenset(tuning))
-                cfg = dataclasses.replace(cfg, **changes)
-            configs.add(cfg)
+    for shape, tuning, cfg in _variant_configs(shapes, variants, dtype, loc_dtype):
+        if isinstance(cfg, interface.KernelConfig):
+            changes, _, _ = interface.choose_launch(
+                cfg, shape.N, shape.Lq, shape.S, PLAN_SMS, PLAN_L2_BYTES,
+                tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
+                tuning.get("reorder_queries", "auto"), frozenset(tuning))
+            cfg = dataclasses.replace(cfg, **changes)
+        configs.add(cfg)
     return configs
 
 
