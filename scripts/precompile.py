@@ -38,11 +38,27 @@ def configurations() -> list:
         value, ref = torch.empty(1, 1, 8, 32, dtype=dt), torch.empty(1, 1, 4, 2, dtype=dt)
         offsets, logits = torch.empty(1, 1, 8, 4, 4, 2, dtype=dt), torch.empty(1, 1, 8, 4, 4, dtype=dt)
         configs += interface.launch_variants(interface.config_for(value, offsets, logits, ref))
+    # tests/test_gpu.py: the demo's decoder and tiny presets, every value and location dtype.
+    from cute_deform import demo
+
+    for name in ("decoder", "tiny"):
+        preset = demo.PRESETS[name]
+        M, D, L, P = preset.heads, preset.head_dim, len(preset.levels), preset.points
+        for dt in (torch.float32, torch.float16, torch.bfloat16):
+            for loc_dt in (torch.float32, torch.float16, torch.bfloat16):
+                value = torch.empty(1, 1, M, D, dtype=dt)
+                loc, attn = torch.empty(1, 1, M, L, P, 2, dtype=loc_dt), torch.empty(1, 1, M, L, P, dtype=loc_dt)
+                configs += interface.launch_variants(interface.config_for(value, loc, attn))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
             for cfg in sorted(tune.configs_of(shapes, [{}], dt, loc_dt), key=repr):
                 configs += interface.launch_variants(cfg)
+    # compare.py --D 48 / 96 / 256 (fp16 value, fp32 locations): the head dims timed against classic.
+    for D in (48, 96, 256):
+        args = compare.parse_args(["--presets", ",".join(compare.PRESETS), "--D", str(D)])
+        for cfg in sorted(tune.configs_of(compare.selected_shapes(args), [{}], torch.float16), key=repr):
+            configs += interface.launch_variants(cfg)
     return list(dict.fromkeys(configs))
 
 

@@ -232,21 +232,38 @@ def test_launch_choices_follow_the_caller():
 def test_query_order_is_a_spatial_permutation():
     gen = torch.Generator().manual_seed(5)
     N, Lq = 3, 500
+    cells = interface.ORDER_CELLS
+
+    def sorted_keys(xy, order):
+        """The raster-cell keys of each image's positions taken in `order`."""
+        xy = xy.gather(1, order[..., None].expand(N, Lq, 2))
+        cell = (xy.nan_to_num(nan=1.0).clamp(0, 1) * (cells - 1)).long()
+        return cell[..., 1] * cells + cell[..., 0]
+
     loc = torch.rand(N, Lq, 8, 4, 2, 2, generator=gen)
     loc[1, 7, 0, 0, 0] = float("nan")
+    loc[2, 9, 0, 0, 0] = torch.tensor([-3.0, 7.0])  # outside: the nearest edge cell
     order = interface.query_order(loc, None)
     assert order.dtype == torch.int64 and order.shape == (N, Lq)
     for n in range(N):
         assert sorted(order[n].tolist()) == list(range(Lq)), "a permutation of each image's queries"
-    xy = loc[:, :, 0, 0, 0].gather(1, order[..., None].expand(N, Lq, 2))
-    band = torch.floor(xy[..., 1] * interface.ORDER_BANDS)
-    ok = ~torch.isnan(band[0])
-    assert (band[0][ok].diff() >= 0).all(), "bands of y ascend"
+    assert (sorted_keys(loc[:, :, 0, 0, 0], order).diff() >= 0).all(), "raster order of cells in each image"
     assert order[1, -1] == 7, "a NaN position sorts last"
     # Fused: the reference point of the first level decides.
     ref = torch.rand(N, Lq, 4, 2, generator=gen)
-    expected = torch.argsort(torch.floor(ref[..., 0, 1] * interface.ORDER_BANDS) + ref[..., 0, 0] * 0.5, dim=1)
-    assert torch.equal(interface.query_order(loc, ref), expected)
+    order = interface.query_order(loc, ref)
+    assert (sorted_keys(ref[:, :, 0], order).diff() >= 0).all()
+    assert all(sorted(order[n].tolist()) == list(range(Lq)) for n in range(N))
+
+
+def test_query_order_of_many_images():
+    """From 2^15 images the (image, cell) keys need 64 bits: each image still gets its own queries."""
+    N, Lq = 1 << 15, 3
+    loc = torch.rand(N, Lq, 1, 1, 1, 2, generator=torch.Generator().manual_seed(6))
+    order = interface.query_order(loc, None)
+    assert torch.equal(order.sort(1).values, torch.arange(Lq).expand(N, Lq))
+    y = loc[:, :, 0, 0, 0, 1].gather(1, order)
+    assert (torch.floor(y * (interface.ORDER_CELLS - 1)).diff() >= 0).all()
 
 
 def ranges(num_tiles, blocks, clusters, schedule):
