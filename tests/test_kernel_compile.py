@@ -266,6 +266,48 @@ def test_query_order_of_many_images():
     assert (torch.floor(y * (interface.ORDER_CELLS - 1)).diff() >= 0).all()
 
 
+def _meta_call(N, Lq, levels=((92, 160), (46, 80), (23, 40), (12, 20)), M=8, P=8, D=32):
+    shapes = torch.tensor(levels)
+    starts = torch.cat([shapes.new_zeros(1), shapes.prod(1).cumsum(0)[:-1]])
+    S, L = int(shapes.prod(1).sum()), len(levels)
+    value = torch.empty(N, S, M, D, dtype=torch.float16, device="meta")
+    loc = torch.empty(N, Lq, M, L, P, 2, device="meta")
+    attn = torch.empty(N, Lq, M, L, P, device="meta")
+    return value, shapes, starts, loc, attn
+
+
+def test_launch_arguments_and_the_per_size_cache(monkeypatch):
+    """The host side of a launch on meta tensors, the kernel stubbed: the order table is computed only
+    from 2^26 samples, the tensor-map workspace is allocated only for TMA boxes (otherwise one small
+    placeholder a device serves every call), and a plan works out each size's launch once."""
+    launched = []
+    monkeypatch.setattr(interface, "_plans", {})
+    monkeypatch.setattr(interface, "_device_props", lambda index: (H100["sms"], H100["l2_bytes"]))
+    monkeypatch.setattr(interface._LaunchPlan, "fn", property(lambda plan: lambda *a: launched.append((plan.cfg, a))))
+
+    small = _meta_call(2, 900)
+    for _ in range(2):
+        out = interface._launch(*small, None, {})
+    assert out.shape == (2, 900, 256) and len(launched) == 2
+    (cfg, first), (_, second) = launched
+    order, maps = first[6], first[8]
+    assert not cfg.permuted and order.shape == (1, 1) and maps.shape == (1, 1, 16)
+    assert second[6] is order and second[8] is maps, "placeholders are reused, not allocated per call"
+    plan = next(iter(interface._plans.values()))
+    assert len(plan.launches) == 1
+
+    large = _meta_call(48, 15422)  # 48 * 15422 * 8 * 4 * 8 samples >= 2^26: through the order table
+    interface._launch(*large, None, {})
+    cfg, args = launched[-1]
+    assert cfg.permuted and args[6].shape == (48, 15422) and args[6].dtype == torch.int64
+    assert len(plan.launches) == 2
+
+    interface._launch(*small, None, {"fine_gather": "tma", "num_groups": 3, "num_stages": 4})
+    cfg, args = launched[-1]
+    grid = args[9]
+    assert cfg.fine_gather == "tma" and args[8].shape == (grid, cfg.map_slots, 16)
+
+
 def ranges(num_tiles, blocks, clusters, schedule):
     """The tile ranges of the device's TileScheduler.boundary, in exact integers."""
     count = clusters * schedule.rounds
