@@ -38,7 +38,7 @@ VARIANTS = [
     ("inputs-from-global", tiled("float16", "float32", "float32", 8, 3, 3, 32)),
     ("fused-xy", tiled("float16", "float32", "float32", 8, 4, 4, 32, fused=True, ref_dims=2)),
     ("fused-boxes-bf16", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 32, fused=True, ref_dims=4)),
-    # permuted: the tiles' queries through the order table (one-row input boxes; D=16 in fp16: 64 queries a
+    # permuted: the tiles' queries through the order table (a bulk copy per row; D=16 in fp16: 64 queries a
     # tile, two warps' worth of table reads).
     ("permuted-d16", tiled("float16", "float32", "float32", 8, 4, 4, 16, permuted=True)),
     ("permuted-fused", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, permuted=True)),
@@ -301,6 +301,11 @@ def test_launch_arguments_and_the_per_size_cache(monkeypatch):
     cfg, args = launched[-1]
     assert cfg.permuted and args[6].shape == (48, 15422) and args[6].dtype == torch.int64
     assert len(plan.launches) == 2
+
+    # A caller that compiles the order table in itself gets the table too.
+    interface._launch(*small, None, {"permuted": True})
+    cfg, args = launched[-1]
+    assert cfg.permuted and args[6].shape == (2, 900)
 
     interface._launch(*small, None, {"fine_gather": "tma", "num_groups": 3, "num_stages": 4})
     cfg, args = launched[-1]

@@ -286,8 +286,7 @@ class _LaunchPlan:
     l2_bytes: int
     tuning: dict
     variants: dict = dataclasses.field(default_factory=dict)
-    # (N, Lq, S, window, reorder) -> (plan that runs, grid, rounds, whole, permuted): choose_launch's
-    # answer without hashing cfg again on every call
+    # (N, Lq, S, window, reorder) -> (plan that runs, grid, rounds, whole): choose_launch's answer
     launches: dict = dataclasses.field(default_factory=dict)
     _fn: object = None
 
@@ -414,11 +413,11 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
-@functools.lru_cache(maxsize=4096)  # several microseconds of Python a call: once per problem size
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, reorder,
                   fixed: frozenset = frozenset()):
-    """The static knobs a launch changes from cfg (a dict for dataclasses.replace; do not modify it), its
-    grid and its schedule. reorder: True, False or "auto"; fixed: the knobs the caller set, which stay."""
+    """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
+    schedule. reorder: True, False or "auto"; fixed: the knobs the caller set, which stay. Several
+    microseconds of Python: _launch asks once per plan and problem size."""
     changes = {}
     if reorder == "auto":
         reorder = N * Lq * cfg.num_heads * cfg.level_points >= REORDER_MIN_SAMPLES and Lq > cfg.queries_per_tile
@@ -470,9 +469,10 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
         runs = plan.variant(value, loc, attn, ref, **changes) if changes else plan
         if len(plan.launches) >= 4096:  # sizes that keep changing must not grow it without bound
             plan.launches.clear()
-        launch = plan.launches[size] = (runs, grid, schedule.rounds, int(schedule.whole), "permuted" in changes)
-    runs, grid, rounds, whole, permuted = launch
-    order = query_order(loc, ref) if permuted else _placeholder(device, (1, 1))
+        launch = plan.launches[size] = (runs, grid, schedule.rounds, int(schedule.whole))
+    runs, grid, rounds, whole = launch
+    # The kernel's own configuration says whether it reads the table (a caller may ask for permuted=True).
+    order = query_order(loc, ref) if runs.cfg.permuted else _placeholder(device, (1, 1))
     if runs.cfg.fine_gather == "tma":
         maps = torch.empty((grid, runs.cfg.map_slots, 16), dtype=torch.int64, device=device)
     else:
