@@ -26,29 +26,34 @@ import torch  # noqa: E402
 from cute_deform.hopper import interface  # noqa: E402
 
 
+def _config(dt, loc_dt, M, D, L, P, ref_dims=None):
+    """The configuration config_for picks for a problem's static parameters (size-1 tensors stand in
+    for N, S and Lq); ref_dims: the fused op with reference points in dt."""
+    value = torch.empty(1, 1, M, D, dtype=dt)
+    loc, attn = torch.empty(1, 1, M, L, P, 2, dtype=loc_dt), torch.empty(1, 1, M, L, P, dtype=loc_dt)
+    ref = torch.empty(1, 1, L, ref_dims, dtype=dt) if ref_dims else None
+    return interface.config_for(value, loc, attn, ref)
+
+
 def configurations() -> list:
     import compare
     import test_kernel_gpu as grid
     import tune
 
+    from cute_deform import demo
+
     configs = [grid.case_config(case) for case in grid.CASES]
     configs += [grid.fused_case_config(case) for case in grid.FUSED]
     # The Deformable DETR layer and model of scripts/bench_layer.py: the fused op with fp32 and fp16 weights.
     for dt in (torch.float32, torch.float16):
-        value, ref = torch.empty(1, 1, 8, 32, dtype=dt), torch.empty(1, 1, 4, 2, dtype=dt)
-        offsets, logits = torch.empty(1, 1, 8, 4, 4, 2, dtype=dt), torch.empty(1, 1, 8, 4, 4, dtype=dt)
-        configs += interface.launch_variants(interface.config_for(value, offsets, logits, ref))
+        configs += interface.launch_variants(_config(dt, dt, 8, 32, 4, 4, ref_dims=2))
     # tests/test_gpu.py: the demo's decoder and tiny presets, every value and location dtype.
-    from cute_deform import demo
-
     for name in ("decoder", "tiny"):
         preset = demo.PRESETS[name]
-        M, D, L, P = preset.heads, preset.head_dim, len(preset.levels), preset.points
         for dt in (torch.float32, torch.float16, torch.bfloat16):
             for loc_dt in (torch.float32, torch.float16, torch.bfloat16):
-                value = torch.empty(1, 1, M, D, dtype=dt)
-                loc, attn = torch.empty(1, 1, M, L, P, 2, dtype=loc_dt), torch.empty(1, 1, M, L, P, dtype=loc_dt)
-                configs += interface.launch_variants(interface.config_for(value, loc, attn))
+                cfg = _config(dt, loc_dt, preset.heads, preset.head_dim, len(preset.levels), preset.points)
+                configs += interface.launch_variants(cfg)
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
