@@ -108,6 +108,8 @@ def test_hostile_values_give_the_reference_answer(gen, ref_dim):
     args[3] = sprinkle(gen, args[3], [math.nan, math.inf, -5.0, 7.0], 0.02)
     args[4] = sprinkle(gen, args[4], huge, 0.1)
     args[5] = sprinkle(gen, args[5], [math.nan, math.inf, -math.inf, 80.0, -80.0], 0.01)
+    # The sprinkle leaves no NaN or +inf logit in about 3% of seeds: one NaN logit makes the mix certain.
+    args[5][1, 5, 2, 0, 1] = math.nan
     out = fused_op(*args)
     ref = fused_reference(*args, out_dtype=torch.float64)
     assert nonfinite_mismatch(out, ref) is None
