@@ -4,7 +4,8 @@
     python scripts/overhead.py compile      # any machine: cold compile time of each kernel variant
     python scripts/overhead.py first-call   # GPU: a fresh process with the kernel in the disk cache
     python scripts/overhead.py host         # GPU: host time per call (op, fused op, launch function), and
-                                           #      where it goes (cProfile, with --cprofile)
+                                           #      where it goes (cProfile, with --cprofile); with --layer
+                                           #      also the encoder layer's forward and each of its launches
     python scripts/overhead.py smoke        # GPU: one small case against float64 (run under compute-sanitizer)
 """
 from __future__ import annotations
@@ -104,17 +105,52 @@ def host_calls(Lq=64):
     return calls
 
 
+def layer_calls():
+    """The Deformable DETR encoder layer's forward (MSDeformAttn, fp16 weights, a padding mask) and each of its
+    launches alone, as named callables: where the eager layer's host time goes."""
+    from cute_deform.nn import MSDeformAttn
+
+    shapes, starts, S = level_tables()
+    layer = MSDeformAttn().cuda().half().eval()
+    N = 2
+    query = torch.randn(N, S, 256, device="cuda", dtype=torch.float16)
+    ref = torch.rand(N, S, 4, 2, device="cuda", dtype=torch.float16)
+    mask = torch.zeros(N, S, dtype=torch.bool, device="cuda")
+    mask[1, S // 2:] = True
+    value = layer.value_proj(query)
+    offsets = layer.sampling_offsets(query).view(N, S, 8, 4, 4, 2)
+    logits = layer.attention_weights(query).view(N, S, 8, 4, 4)
+    flat = value.view(N, S, 8, 32)
+    return [("MSDeformAttn (whole layer)", lambda: layer(query, ref, query, shapes, starts, mask)),
+            ("  value_proj (Linear)", lambda: layer.value_proj(query)),
+            ("  masked_fill_", lambda: value.masked_fill_(mask[..., None], 0.0)),
+            ("  sampling_offsets (Linear)", lambda: layer.sampling_offsets(query)),
+            ("  forward_fused op", lambda: torch.ops.cute_deform.forward_fused(flat, shapes, starts, ref, offsets, logits)),
+            ("  output_proj (Linear)", lambda: layer.output_proj(query))]
+
+
 def cmd_host(args):
-    for name, fn in host_calls():
-        for _ in range(50):
-            fn()
+    calls = host_calls()
+    if args.layer:
+        calls += layer_calls()
+    grad_mode = torch.inference_mode if args.inference_mode else torch.no_grad
+    # Loops of at most 100 calls with a sync before each: the launch queue never fills, so the time is
+    # the host's even where a call's GPU work is longer (the layer).
+    per_loop = min(args.calls, 100)
+    for name, fn in calls:
+        with grad_mode():
+            for _ in range(50):
+                fn()
+            loops = []
+            for _ in range(max(1, args.calls // per_loop)):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(per_loop):
+                    fn()
+                loops.append((time.perf_counter() - t0) / per_loop * 1e6)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.calls):
-            fn()
-        us = (time.perf_counter() - t0) / args.calls * 1e6
-        torch.cuda.synchronize()
-        print(f"host time per call, {name}: {us:.1f} us", flush=True)
+        us = sorted(loops)[len(loops) // 2]
+        print(f"host time per call, {name}: {us:.1f} us (median of {len(loops)} loops of {per_loop})", flush=True)
         if args.cprofile:
             import cProfile
             import pstats
@@ -155,6 +191,8 @@ def main():
     ap.add_argument("command", choices=("compile", "first-call", "host", "smoke"))
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--inference-mode", action="store_true", help="host: time under torch.inference_mode, not no_grad")
+    ap.add_argument("--layer", action="store_true", help="host: also the encoder layer's forward and its parts")
     args = ap.parse_args()
     return {"compile": cmd_compile, "first-call": cmd_first_call, "host": cmd_host, "smoke": cmd_smoke}[args.command](args) or 0
 

@@ -42,6 +42,13 @@ VARIANTS = [
     # tile, two warps' worth of table reads).
     ("permuted-d16", tiled("float16", "float32", "float32", 8, 4, 4, 16, permuted=True)),
     ("permuted-fused", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, permuted=True)),
+    # ... and where the rows are not whole 16-byte vectors: consumers read them through the table.
+    ("permuted-inputs-from-global", tiled("float16", "float32", "float32", 8, 3, 3, 32, permuted=True)),
+    # One producer warp feeds every group's ring: single CTAs of seven groups (encoders), and CTA pairs
+    # that gather the L1 levels first (decoders).
+    ("one-producer-7-groups", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
+                                    producers=1)),
+    ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -74,13 +81,17 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     # Staged levels (and prefetched inputs) arrive by TMA on mbarriers; consumers wait on them.
     assert re.search(r"cp\.async\.bulk\.tensor\.[34]d", ptx) and "mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait" in ptx
+    # The block: four consumer warps a group and the producer warps.
+    assert re.search(rf"^\.reqntid {cfg.threads}, 1, 1", ptx, re.M)
     # A staging load per level, and two for each tile's inputs when they are prefetched (4-D boxes over
-    # (channels, head, pixel or query, image); 3-D where one head leaves that mode out); with the order
-    # table each lane copies rows of its queries with plain bulk copies (two per 32 queries of a tile).
+    # (channels, head, pixel or query, image); 3-D where one head leaves that mode out), once for each
+    # group a producer warp feeds (unrolled); with the order table each lane copies rows of its queries
+    # with plain bulk copies (two per 32 queries of a tile).
+    served = cfg.num_groups // cfg.producer_warps
     loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
-    assert loads == cfg.num_levels + (2 if cfg.prefetch_inputs and not cfg.permuted else 0)
+    assert loads == cfg.num_levels + (2 * served if cfg.prefetch_inputs and not cfg.permuted else 0)
     rows = len(re.findall(r"^\s*cp\.async\.bulk\.shared::cluster\.global", ptx, re.M))
-    assert rows == (2 * -(-cfg.queries_per_tile // 32) if cfg.permuted else 0)
+    assert rows == (2 * -(-cfg.queries_per_tile // 32) * served if cfg.permuted and cfg.prefetch_inputs else 0)
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
@@ -179,13 +190,17 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True),
-                        dataclasses.replace(cfg, cluster_size=1, num_groups=6), dataclasses.replace(cfg, permuted=True)]
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1),
+                        dataclasses.replace(cfg, permuted=True)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
-    # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): no order table.
+    # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
+    # them, through the order table too.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
-    assert not odd.prefetch_inputs and interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True)]
+    assert not odd.prefetch_inputs and odd.producer_warps == 1
+    assert interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True, producers=1),
+                                              dataclasses.replace(odd, permuted=True)]
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
@@ -198,12 +213,12 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
 
 
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
-    # encoders: one round of long ranges -> single CTAs
-    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=6)),
-    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=6)),
-    # decoders: whole segments -> L1 levels first, CTA pairs
-    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True)),
-    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True)),
+    # encoders: one round of long ranges -> single CTAs of seven groups and one producer warp
+    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1)),
+    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=7, producers=1)),
+    # decoders: whole segments -> L1 levels first and one producer warp, CTA pairs
+    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1)),
+    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1)),
     # a large batch: rounds and the order table, CTA pairs
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True)),
 ])
@@ -220,12 +235,15 @@ def test_launch_choices_follow_the_caller():
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     # An explicit cluster size stays; reorder_queries forces the table on or off.
     assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
+    # Through the order table each group keeps its producer warp (six groups in 1024 threads).
     assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True)
     assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
-    # No order table without the input rings, nor for a single tile of queries.
+    # Rows the consumers read themselves go through the table too; a single tile of queries does not.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)
-    assert "permuted" not in launch_of(odd, 4096, 20000, 20000)[0]
+    assert launch_of(odd, 4096, 20000, 20000)[0]["permuted"]
     assert "permuted" not in launch_of(cfg, 1 << 20, 16, 20000)[0]
 
 

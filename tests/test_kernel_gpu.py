@@ -31,8 +31,12 @@ VARIANTS = {
     "nostage": dict(stage_bytes=0, cluster_size=1),
     "generic": dict(generic=True),
     "reorder": dict(reorder_queries=True),
+    # The encoders' launch: single CTAs of seven groups fed by one producer warp (small problems of the grid
+    # otherwise run CTA pairs, with one producer warp too: whole segments).
+    "single7": dict(cluster_size=1, num_groups=7, producers=1),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
+BATCH, QUERIES, FUSED_QUERIES = 2, 77, 53  # every grid case's problem size (with its levels)
 
 
 def cases():
@@ -51,9 +55,14 @@ def cases():
     for variant in ("nocluster", "nostage", "generic", "reorder"):
         for vname in ("fp32", "fp16", "bf16"):
             out.append(dict(value=vname, loc="fp16", D=32, L=5, P=8, M=8, variant=variant))
-    # The order table with 64, 16 and 4 queries a tile (two, one and a partial warp of table reads).
+    # The order table with 64, 16 and 4 queries a tile (two, one and a partial warp of table reads), and
+    # with rows the consumers read themselves (L*P = 9).
     for vname, D in (("fp16", 16), ("fp16", 64), ("fp32", 128)):
         out.append(dict(value=vname, loc="fp32", D=D, L=4, P=4, M=8, variant="reorder"))
+    out.append(dict(value="fp16", loc="fp32", D=32, L=3, P=3, M=8, variant="reorder"))
+    # Seven groups and one producer warp, with the input rings (P=4) and without (P=8: they do not fit).
+    for vname, P in (("fp32", 4), ("fp16", 4), ("bf16", 4), ("fp16", 8)):
+        out.append(dict(value=vname, loc="fp32", D=32, L=4, P=P, M=8, variant="single7"))
     return out
 
 
@@ -72,25 +81,34 @@ def fake_inputs(c):
     return value, loc, attn
 
 
+def pixels(levels):
+    return sum(h * w for h, w in levels)
+
+
 def levels_of(c):
     if c["L"] <= len(LEVELS):
         return LEVELS[:c["L"]]
     return LEVELS + [(3, 4)] * (c["L"] - len(LEVELS))
 
 
-def launched_config(value, loc, attn, ref, tuning):
-    """The configuration the grid's launches run."""
+# The GPU the launches are planned for: an H100 or H200 (132 SMs; the grid's problems are far below any L2).
+SMS, L2_BYTES = 132, 50 << 20
+
+
+def launched_config(value, loc, attn, ref, tuning, N, Lq, S):
+    """The configuration the launches of a case (N images, Lq queries, S pixels) run: the launch's own choice."""
     cfg = interface.config_for(value, loc, attn, ref, **interface.static_tuning(tuning))
-    if not isinstance(cfg, interface.KernelConfig) or cfg.fine_gather != "ldg":
+    if not isinstance(cfg, interface.KernelConfig):
         return cfg
-    # The grid's problems are small: every launch gives clusters whole segments, which gathers the L1
-    # levels first (interface._launch); with reorder_queries, through the order table.
-    return dataclasses.replace(cfg, l1_first=True, permuted=bool(tuning.get("reorder_queries")) and cfg.prefetch_inputs)
+    changes, _, _ = interface.choose_launch(
+        cfg, N, Lq, S, SMS, L2_BYTES, tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
+        tuning.get("reorder_queries", "auto"), frozenset(tuning))
+    return dataclasses.replace(cfg, **changes)
 
 
 def case_config(c):
     """The configuration a case's launches run."""
-    return launched_config(*fake_inputs(c), None, VARIANTS[c["variant"]])
+    return launched_config(*fake_inputs(c), None, VARIANTS[c["variant"]], BATCH, QUERIES, pixels(levels_of(c)))
 
 
 def fused_case_config(c):
@@ -99,7 +117,8 @@ def fused_case_config(c):
     offsets = torch.empty(1, 1, 8, c["L"], c["P"], 2, dtype=dt)
     logits = torch.empty(1, 1, 8, c["L"], c["P"], dtype=dt)
     ref = torch.empty(1, 1, c["L"], c["ref_dims"])
-    return launched_config(value, offsets, logits, ref, VARIANTS[c["variant"]])
+    return launched_config(value, offsets, logits, ref, VARIANTS[c["variant"]], BATCH, FUSED_QUERIES,
+                           pixels(LEVELS[:c["L"]]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,7 +136,7 @@ def compiled_kernels(request):
 def test_kernel_matches_float64_reference(gen, case):
     levels = levels_of(case)
     vdt, ldt = DTYPES[case["value"]], DTYPES[case["loc"]]
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=77, heads=case["M"],
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=BATCH, queries=QUERIES, heads=case["M"],
                                                    head_dim=case["D"], points=case["P"], dtype=torch.float64)
     loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
     value, loc, attn = value.to(vdt).cuda(), loc.to(ldt).cuda(), attn.to(ldt).cuda()
@@ -132,7 +151,8 @@ def test_kernel_matches_float64_reference(gen, case):
 
 
 FUSED = ([dict(value=v, ref_dims=r, D=32, L=4, P=4, variant=var)
-          for v, r, var in itertools.product(("fp32", "fp16", "bf16"), (2, 4), ("default", "generic", "reorder"))]
+          for v, r, var in itertools.product(("fp32", "fp16", "bf16"), (2, 4),
+                                            ("default", "generic", "reorder", "single7"))]
          + [dict(value="fp16", ref_dims=r, D=D, L=L, P=P, variant="default")
             for r, (D, L, P) in itertools.product((2, 4), ((48, 3, 3), (30, 2, 5)))])
 
@@ -147,7 +167,8 @@ def test_fused_kernel_matches_float64_reference(gen, case):
     levels = LEVELS[:case["L"]]
     vdt = DTYPES[case["value"]]
     value, shapes, starts, ref_points, offsets, logits = fused_inputs(
-        gen, levels, batch=2, queries=53, heads=8, head_dim=case["D"], points=case["P"], ref_dims=case["ref_dims"])
+        gen, levels, batch=BATCH, queries=FUSED_QUERIES, heads=8, head_dim=case["D"], points=case["P"],
+        ref_dims=case["ref_dims"])
     value = value.to(vdt).cuda()
     ref_points, offsets, logits = ref_points.float().cuda(), offsets.to(vdt).cuda(), logits.to(vdt).cuda()
     shapes, starts = shapes.cuda(), starts.cuda()

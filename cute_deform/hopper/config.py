@@ -59,14 +59,17 @@ class KernelConfig(ProblemConfig):
     """Static parameters of the tiled kernel: the problem's, and its tuning."""
 
     num_stages: int = 2  # input-ring (or box-ring) stages per group
-    num_groups: int = 0  # groups of a producer warp and four consumer warps per CTA; 0: automatic
+    num_groups: int = 0  # groups of four consumer warps per CTA; 0: automatic
     stage_bytes: int = 96 * 1024  # shared memory for whole coarse levels; 0 stages nothing
     cluster_size: int = 2  # 2: CTA pairs share each range and multicast the staged levels
     fine_gather: str = "ldg"  # levels that are not staged: "ldg" 16-byte loads through L1, "tma" 2x2xD boxes
     l1_first: bool = False  # L1 levels before staged ones: a range's first tile starts before its staging
     # Tiles take their queries through an order table (the host's sort by position): neighbours in a tile
-    # share footprints in L1 whatever order the caller's queries come in. Needs the input rings.
+    # share footprints in L1 whatever order the caller's queries come in.
     permuted: bool = False
+    # Producer warps that feed the input rings: 0 gives each group its own; k (dividing num_groups) has
+    # warp p feed groups p, p + k, ..., which leaves room for more consumer warps in 1024 threads.
+    producers: int = 0
 
     def __post_init__(self):
         if self.num_groups == 0:
@@ -75,9 +78,11 @@ class KernelConfig(ProblemConfig):
             raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
         if self.fused and self.fine_gather != "ldg":
             raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
-        if self.permuted and not self.prefetch_inputs:
-            raise ValueError("cute_deform: permuted queries need the prefetched input rings (fine_gather='ldg', "
-                             "rows of whole 16-byte vectors)")
+        if self.permuted and self.fine_gather != "ldg":
+            raise ValueError("cute_deform: permuted queries need fine_gather='ldg'")
+        if self.producers and (self.fine_gather != "ldg" or self.num_groups % self.producers):
+            raise ValueError(f"cute_deform: producers={self.producers} must divide num_groups={self.num_groups} "
+                             "and needs fine_gather='ldg'")
         if self.threads > 1024:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
 
@@ -181,8 +186,11 @@ class KernelConfig(ProblemConfig):
     # --- warps and CTAs ----------------------------------------------------------------------------
     @property
     def producer_warps(self) -> int:
-        """A producer warp per group feeds its ring; with no ring, one producer warp only stages."""
-        return self.num_groups if self.fine_gather == "tma" or self.prefetch_inputs else 1
+        """Producer warps feed the rings (one a group, or `producers`); with no ring, one producer warp
+        only stages."""
+        if self.fine_gather == "tma":
+            return self.num_groups
+        return (self.producers or self.num_groups) if self.prefetch_inputs else 1
 
     @property
     def threads(self) -> int:

@@ -52,10 +52,15 @@ REORDER_MIN_SAMPLES = 1 << 26
 # 512 measured 2.7% faster than 128 on seed-b48, queries sorted or shuffled (H100).
 ORDER_BITS = 9
 ORDER_CELLS = 1 << ORDER_BITS
-# Groups of a CTA when single CTAs run one round of long ranges (encoders): 6 against the automatic 4
-# or 5, measured 107.6 / 141.6 / 133.2 against 116.4 / 149.0 / 142.1 us on dcnv4-test / detr-encoder /
-# detr-encoder-init (H100).
-SINGLE_CTA_GROUPS = 6
+# Groups of a CTA when single CTAs run one round of long ranges (encoders). With one producer warp for
+# all groups seven fit in 1024 threads: 97.3 / 137.0 / 129.4 us on dcnv4-test / detr-encoder /
+# detr-encoder-init, against 106.2 / 141.3 / 133.0 with six groups of their own producer (H100). Through
+# the order table each group keeps its own producer (the per-row copies are a warp's work), and six.
+SINGLE_CTA_GROUPS = 7
+SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
+# The fused kernel (softmax and locations inside) spills at seven groups (64 registers: 124 bytes a
+# thread, against none at six groups and one producer warp, 72 registers; ptxas).
+SINGLE_CTA_GROUPS_FUSED = 6
 
 
 def available() -> bool:
@@ -208,16 +213,17 @@ def _compile_into_cache(cfg) -> str:
 
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
-    gather order where ranges are whole segments, to single CTAs where one round of long ranges runs,
-    and to the order table for large problems. (Rarer combinations compile when first met.)"""
+    gather order and one producer warp where ranges are whole segments, to single CTAs of seven groups
+    and one producer warp where one round of long ranges runs, and to the order table for large
+    problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
     out = [cfg]
     if not cfg.l1_first:
-        out.append(dataclasses.replace(cfg, l1_first=True))
+        out.append(dataclasses.replace(cfg, l1_first=True, producers=1))
     if cfg.cluster_size > 1:
-        out.append(dataclasses.replace(cfg, cluster_size=1, num_groups=SINGLE_CTA_GROUPS))
-    if cfg.prefetch_inputs and not cfg.permuted:
+        out.append(dataclasses.replace(cfg, cluster_size=1, num_groups=_single_cta_groups(cfg), producers=1))
+    if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True))
     return out
 
@@ -413,6 +419,10 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
+def _single_cta_groups(cfg) -> int:
+    return SINGLE_CTA_GROUPS_FUSED if cfg.fused else SINGLE_CTA_GROUPS
+
+
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, reorder,
                   fixed: frozenset = frozenset()):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
@@ -421,23 +431,33 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
     changes = {}
     if reorder == "auto":
         reorder = N * Lq * cfg.num_heads * cfg.level_points >= REORDER_MIN_SAMPLES and Lq > cfg.queries_per_tile
-    if reorder and cfg.prefetch_inputs and not cfg.permuted:
+    if reorder and cfg.fine_gather == "ldg" and not cfg.permuted:
         changes["permuted"] = True
+    # One producer warp can feed every group's input ring, leaving room for consumer warps; the order
+    # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
+    shared_producer = cfg.prefetch_inputs and not changes.get("permuted", cfg.permuted)
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     if schedule.rounds == 1 and not schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in fixed:
         # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
-        # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with six groups
-        # (142); multicast staging wins where ranges are short or whole segments (seed-b48, decoders).
+        # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with more groups
+        # (SINGLE_CTA_GROUPS); multicast staging wins where ranges are short or whole segments (seed-b48,
+        # decoders).
         changes["cluster_size"] = 1
-        if "num_groups" not in fixed:
-            six = dataclasses.replace(cfg, cluster_size=1, num_groups=SINGLE_CTA_GROUPS)
-            if six.prefetch_inputs == cfg.prefetch_inputs and six.threads <= 1024 and six.stage_pixels > 0:
-                changes["num_groups"] = SINGLE_CTA_GROUPS
+        if "num_groups" not in fixed and "producers" not in fixed:
+            more = (dict(num_groups=_single_cta_groups(cfg), producers=1) if shared_producer
+                    else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER))
+            single = dataclasses.replace(cfg, cluster_size=1, **more)
+            if single.threads <= 1024 and single.stage_pixels > 0:
+                changes.update(more)
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
-        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long).
+        # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long). One
+        # producer warp for the five groups: 69.0 / 65.2 / 65.2 against 71.0 / 67.5 / 67.4 us on
+        # detr-decoder / detr-decoder-ref / decoder-b16 (H100).
         changes["l1_first"] = True
+        if shared_producer and "producers" not in fixed:
+            changes["producers"] = 1
     return changes, grid, schedule
 
 

@@ -1,14 +1,14 @@
 """The tiled Hopper kernel: `MSDAForward`, one instance per KernelConfig.
 
 A tile is G queries of one (image, head); the 128 threads of a group's four consumer warps cover it,
-T threads a query, each thread one 16-byte vector of channels. A CTA has several groups (a producer
-warp and four consumer warps each) that share a staging buffer. The tile scheduler hands each cluster
-ranges of tiles; within a range, the coarse levels of each segment's (image, head) that fit are staged
-whole in shared memory by TMA (multicast to both CTAs of a pair), and sampled from there. The other
-levels are gathered per sample: by 16-byte loads through L1 (the default), or by one TMA box of
-2x2 pixels x D channels per sample through a ring of stages (fine_gather="tma", whose out-of-bounds
-zero fill is the original kernel's zero padding). Each group's producer warp prefetches every tile's
-locations and weights (or, fused, offsets and logits) with two TMA boxes into its ring, ahead of the
+T threads a query, each thread one 16-byte vector of channels. A CTA has several groups that share a
+staging buffer. The tile scheduler hands each cluster ranges of tiles; within a range, the coarse
+levels of each segment's (image, head) that fit are staged whole in shared memory by TMA (multicast to
+both CTAs of a pair), and sampled from there. The other levels are gathered per sample: by 16-byte loads
+through L1 (the default), or by one TMA box of 2x2 pixels x D channels per sample through a ring of
+stages (fine_gather="tma", whose out-of-bounds zero fill is the original kernel's zero padding).
+Producer warps (one a group, or one for several: config.producers) prefetch every tile's locations and
+weights (or, fused, offsets and logits) with two TMA boxes into its group's ring, ahead of the
 consumers. Consumers accumulate every level and point of a query in fp32 registers and write each
 output row once.
 
@@ -258,43 +258,54 @@ class MSDAForward:
     # Producer warp: staging (group 0), the tile inputs, and with fine_gather="tma" the footprint boxes
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, g, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
-                 mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
-                 used, rank, bidx):
+    def producer(self, p, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
+                 mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged,
+                 offsets, used, rank, bidx):
+        """Producer warp p feeds groups p, p + producers, ... (with TMA boxes, its own group only)."""
+        producers = self.cfg.producer_warps
+        served = self.groups // producers
         box_maps = []
         if cutlass.const_expr(self.boxes):
-            box_maps = self.publish_box_maps(g, box_template, mValue, mDesc, storage, sizes, starts, bidx)
+            box_maps = self.publish_box_maps(p, box_template, mValue, mDesc, storage, sizes, starts, bidx)
         sLoc, sAttn = self.input_rings_of(storage)
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * self.D))
-        input_state = input_rings.producer_state(g) if cutlass.const_expr(self.prefetch) else None
-        box_state = box_rings.producer_state(g) if cutlass.const_expr(self.boxes) else None
+        input_states = None
+        if cutlass.const_expr(self.prefetch):
+            input_states = [input_rings.producer_state(p + j * producers) for j in range(served)]
+        box_state = box_rings.producer_state(p) if cutlass.const_expr(self.boxes) else None
         segment = cutlass.Int32(0)
         for round_ in cutlass.range(rounds, unroll=1):
             t, t_end = scheduler.range_of(round_)
             while t < t_end:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
                 pipeline.segment_sync(self.cluster)
-                if g == 0:
+                if p == 0:
                     self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
                                       n, m, rank)
-                first = t + rank * self.groups + g
-                for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
-                    q0 = scheduler.first_query(tile, nm, self.G)
-                    if cutlass.const_expr(self.prefetch):
-                        input_state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
-                                                       input_rings, input_state, mLoc, mAttn, mOrder, n, m, q0)
-                    if cutlass.const_expr(self.boxes):
-                        box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes, staged, n,
-                                                    m, q0)
+                # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
+                first = t + rank * self.groups + p
+                for base in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                    for j in cutlass.range_constexpr(served):
+                        tile = base + j * producers
+                        if tile < seg_end:
+                            q0 = scheduler.first_query(tile, nm, self.G)
+                            if cutlass.const_expr(self.prefetch):
+                                input_states[j] = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
+                                                                   input_rings, input_states[j], mLoc, mAttn, mOrder,
+                                                                   n, m, q0)
+                            if cutlass.const_expr(self.boxes):
+                                box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes,
+                                                            staged, n, m, q0)
                 t = seg_end
                 segment += 1
         if cutlass.const_expr(self.prefetch):
-            input_rings.drain(input_state)
+            for j in cutlass.range_constexpr(served):
+                input_rings.drain(input_states[j])
         if cutlass.const_expr(self.boxes):
             box_rings.drain(box_state)
         # ... and the last staging has landed: a group with no tile in the last segment never waits for
         # it, and a CTA must not exit with TMA (or a peer's multicast) still writing into it.
-        if g == 0 and segment > 0:
+        if p == 0 and segment > 0:
             staging.wait(segment - 1)
 
     @cute.jit

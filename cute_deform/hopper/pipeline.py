@@ -1,7 +1,7 @@
 """Synchronisation between the warps of a CTA (and a cluster).
 
-- GroupRings: each group's ring of shared-memory stages between its producer warp (TMA loads) and its
-  four consumer warps. All groups' rings are one `cutlass.pipeline.PipelineTmaAsync` of
+- GroupRings: each group's ring of shared-memory stages between the producer warp that feeds it (TMA
+  loads) and the group's four consumer warps. All groups' rings are one `cutlass.pipeline.PipelineTmaAsync` of
   groups * stages stages: group g uses stages g, g + groups, g + 2 * groups, ..., so one copy of each
   role's code serves every group (the group is a run-time value).
 - StagingBarrier: one mbarrier that the staged levels of each segment land on (TMA, possibly
