@@ -231,6 +231,13 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         assert schedule.rounds > 1
 
 
+def test_the_fused_encoder_launch_takes_six_groups():
+    # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
+    cfg = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
+    assert launch_of(cfg, 2, 22223, 22223)[0] == dict(cluster_size=1, num_groups=6, producers=1)
+    assert dataclasses.replace(cfg, cluster_size=1, num_groups=6, producers=1) in interface.launch_variants(cfg)
+
+
 def test_launch_choices_follow_the_caller():
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     # An explicit cluster size stays; reorder_queries forces the table on or off.
