@@ -255,7 +255,7 @@ class MSDAForward:
                 storage.attn_ring.get_tensor(cute.make_layout((cfg.attn_stage_elems, cfg.input_slots))))
 
     # ------------------------------------------------------------------------------------------------
-    # Producer warp: staging (group 0), the tile inputs, and with fine_gather="tma" the footprint boxes
+    # Producer warps: staging (warp 0), the tile inputs, and with fine_gather="tma" the footprint boxes
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, p, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
