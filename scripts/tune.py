@@ -13,7 +13,6 @@ reorder_queries, generic); the empty variant is the default.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -64,23 +63,10 @@ def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
     return {cfg for _, _, cfg in _variant_configs(shapes, variants, dtype, loc_dtype)}
 
 
-# The GPU the launches are planned for when compiling ahead on another machine: an H100 (132 SMs, 50 MB
-# of L2); an H200's launches pick the same configurations.
-PLAN_SMS, PLAN_L2_BYTES = 132, 50 << 20
-
-
 def launched_configs(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
-    """The configurations the presets' launches run with each variant (interface.choose_launch)."""
-    configs = set()
-    for shape, tuning, cfg in _variant_configs(shapes, variants, dtype, loc_dtype):
-        if isinstance(cfg, interface.KernelConfig):
-            changes, _, _ = interface.choose_launch(
-                cfg, shape.N, shape.Lq, shape.S, PLAN_SMS, PLAN_L2_BYTES,
-                tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
-                tuning.get("reorder_queries", "auto"), frozenset(tuning))
-            cfg = dataclasses.replace(cfg, **changes)
-        configs.add(cfg)
-    return configs
+    """The configurations the presets' launches run with each variant (interface.launched_config)."""
+    return {interface.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
+            for shape, tuning, cfg in _variant_configs(shapes, variants, dtype, loc_dtype)}
 
 
 def precompile(shapes, variants, dtype):

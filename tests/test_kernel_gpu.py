@@ -4,7 +4,6 @@ powers of two or not, up to 1025), M 1 and 8, odd level sizes with H or W = 1, l
 borders and on pixel centres, every variant of the tiled kernel, the generic kernel, and the fused
 kernels (reference points, offsets and logits). Outputs are poisoned before every run. Skipped without a
 Hopper GPU (tests/conftest.py)."""
-import dataclasses
 import itertools
 
 import pytest
@@ -91,19 +90,10 @@ def levels_of(c):
     return LEVELS + [(3, 4)] * (c["L"] - len(LEVELS))
 
 
-# The GPU the launches are planned for: an H100 or H200 (132 SMs; the grid's problems are far below any L2).
-SMS, L2_BYTES = 132, 50 << 20
-
-
 def launched_config(value, loc, attn, ref, tuning, N, Lq, S):
     """The configuration the launches of a case (N images, Lq queries, S pixels) run: the launch's own choice."""
     cfg = interface.config_for(value, loc, attn, ref, **interface.static_tuning(tuning))
-    if not isinstance(cfg, interface.KernelConfig):
-        return cfg
-    changes, _, _ = interface.choose_launch(
-        cfg, N, Lq, S, SMS, L2_BYTES, tuning.get("window_fraction", interface.WINDOW_L2_FRACTION),
-        tuning.get("reorder_queries", "auto"), frozenset(tuning))
-    return dataclasses.replace(cfg, **changes)
+    return interface.launched_config(cfg, N, Lq, S, tuning)
 
 
 def case_config(c):

@@ -461,6 +461,21 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
     return changes, grid, schedule
 
 
+# The GPU a launch is planned for where none is at hand (compiling ahead on another machine): an H100 or
+# H200 (132 SMs, 50 MB of L2).
+PLAN_SMS, PLAN_L2_BYTES = 132, 50 << 20
+
+
+def launched_config(cfg, N: int, Lq: int, S: int, tuning: dict, sms: int = PLAN_SMS, l2_bytes: int = PLAN_L2_BYTES):
+    """The configuration a launch of cfg (config_for's, from the same tuning) runs on an (N, Lq, S) problem:
+    choose_launch's changes applied."""
+    if not isinstance(cfg, KernelConfig):
+        return cfg
+    changes, _, _ = choose_launch(cfg, N, Lq, S, sms, l2_bytes, tuning.get("window_fraction", WINDOW_L2_FRACTION),
+                                  tuning.get("reorder_queries", "auto"), frozenset(static_tuning(tuning)))
+    return dataclasses.replace(cfg, **changes)
+
+
 def _launch(value, shapes, starts, loc, attn, ref, tuning):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
