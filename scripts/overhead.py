@@ -106,26 +106,23 @@ def host_calls(Lq=64):
 
 
 def layer_calls():
-    """The Deformable DETR encoder layer's forward (MSDeformAttn, fp16 weights, a padding mask) and each of its
-    launches alone, as named callables: where the eager layer's host time goes."""
-    from cute_deform.nn import MSDeformAttn
+    """bench_layer.py's Deformable DETR encoder layer (fp16 weights, a padding mask) and each of its launches
+    alone, as named callables: where the eager layer's host time goes."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_layer
 
-    shapes, starts, S = level_tables()
-    layer = MSDeformAttn().cuda().half().eval()
-    N = 2
-    query = torch.randn(N, S, 256, device="cuda", dtype=torch.float16)
-    ref = torch.rand(N, S, 4, 2, device="cuda", dtype=torch.float16)
-    mask = torch.zeros(N, S, dtype=torch.bool, device="cuda")
-    mask[1, S // 2:] = True
-    value = layer.value_proj(query)
+    layer, (query, ref, flat, shapes, starts, mask) = bench_layer.encoder_layer(
+        bench_layer.COCO_LEVELS, 256, 8, 4, 2, torch.float16, "cuda", torch.Generator().manual_seed(0))
+    N, S, _ = flat.shape
+    value = layer.value_proj(flat)
     offsets = layer.sampling_offsets(query).view(N, S, 8, 4, 4, 2)
     logits = layer.attention_weights(query).view(N, S, 8, 4, 4)
-    flat = value.view(N, S, 8, 32)
-    return [("MSDeformAttn (whole layer)", lambda: layer(query, ref, query, shapes, starts, mask)),
-            ("  value_proj (Linear)", lambda: layer.value_proj(query)),
+    heads = value.view(N, S, 8, 32)
+    return [("MSDeformAttn (whole layer)", lambda: layer(query, ref, flat, shapes, starts, mask)),
+            ("  value_proj (Linear)", lambda: layer.value_proj(flat)),
             ("  masked_fill_", lambda: value.masked_fill_(mask[..., None], 0.0)),
             ("  sampling_offsets (Linear)", lambda: layer.sampling_offsets(query)),
-            ("  forward_fused op", lambda: torch.ops.cute_deform.forward_fused(flat, shapes, starts, ref, offsets, logits)),
+            ("  forward_fused op", lambda: torch.ops.cute_deform.forward_fused(heads, shapes, starts, ref, offsets, logits)),
             ("  output_proj (Linear)", lambda: layer.output_proj(query))]
 
 
