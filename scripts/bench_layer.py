@@ -268,6 +268,24 @@ def bench_transformers(rows, timer, device, opts, gen):
             rows[-1].note += f"; last_hidden_state vs shipped: rel err {rel_err(outputs['patched'], outputs['as shipped']):.1e}"
 
 
+def host_seconds_per_call(fn, device, number: int, loops: int, warmup: int) -> float:
+    """Median over `loops` loops of `number` calls of fn, each loop after a sync and with none inside: with
+    fewer calls than the launch queue holds, the loop never waits for the GPU, so the time is the host's."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(loops):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - begin) / number)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sorted(times)[len(times) // 2]
+
+
 def bench_host(rows, device, opts, gen):
     """Host microseconds per call: small inputs, loops of calls shorter than the launch queue, no sync inside."""
     section = "host time per call (N=1, Lq=64, M=8, D=32, P=4, 4 levels)"
@@ -296,19 +314,7 @@ def bench_host(rows, device, opts, gen):
             rows.append(row)
             try:
                 with context():
-                    for _ in range(min(number, 100)):
-                        fn()
-                    times = []
-                    for _ in range(5):
-                        if device.type == "cuda":
-                            torch.cuda.synchronize(device)
-                        begin = time.perf_counter()
-                        for _ in range(number):
-                            fn()
-                        times.append((time.perf_counter() - begin) / number)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                row.ms = sorted(times)[len(times) // 2] * 1e3
+                    row.ms = host_seconds_per_call(fn, device, number, loops=5, warmup=min(number, 100)) * 1e3
                 row.note = "host us per call (median of 5 loops of %d): %.1f" % (number, row.ms * 1e3)
                 if device.type == "cpu":
                     row.note += " (CPU: includes the computation)"

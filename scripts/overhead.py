@@ -28,6 +28,8 @@ from cute_deform.hopper import interface  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 
+import bench_layer  # noqa: E402  (this script's folder: the layer and the host-time loop are bench_layer.py's)
+
 SHAPE = ("float16", "float32", "float32", 8, 4, 4, 32)  # value, locations, weights dtypes, M, L, P, D
 VARIANTS = {
     "default": lambda: KernelConfig(*SHAPE, **interface.TUNING),
@@ -108,9 +110,6 @@ def host_calls(Lq=64):
 def layer_calls():
     """bench_layer.py's Deformable DETR encoder layer (fp16 weights, a padding mask) and each of its launches
     alone, as named callables: where the eager layer's host time goes."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_layer
-
     layer, (query, ref, flat, shapes, starts, mask) = bench_layer.encoder_layer(
         bench_layer.COCO_LEVELS, 256, 8, 4, 2, torch.float16, "cuda", torch.Generator().manual_seed(0))
     N, S, _ = flat.shape
@@ -131,23 +130,13 @@ def cmd_host(args):
     if args.layer:
         calls += layer_calls()
     grad_mode = torch.inference_mode if args.inference_mode else torch.no_grad
-    # Loops of at most 100 calls with a sync before each: the launch queue never fills, so the time is
-    # the host's even where a call's GPU work is longer (the layer).
+    # Loops of at most 100 calls: the launch queue never fills, even where a call's GPU work is longer (the layer).
     per_loop = min(args.calls, 100)
+    loops = max(1, args.calls // per_loop)
     for name, fn in calls:
         with grad_mode():
-            for _ in range(50):
-                fn()
-            loops = []
-            for _ in range(max(1, args.calls // per_loop)):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(per_loop):
-                    fn()
-                loops.append((time.perf_counter() - t0) / per_loop * 1e6)
-        torch.cuda.synchronize()
-        us = sorted(loops)[len(loops) // 2]
-        print(f"host time per call, {name}: {us:.1f} us (median of {len(loops)} loops of {per_loop})", flush=True)
+            us = bench_layer.host_seconds_per_call(fn, torch.device("cuda"), per_loop, loops, warmup=50) * 1e6
+        print(f"host time per call, {name}: {us:.1f} us (median of {loops} loops of {per_loop})", flush=True)
         if args.cprofile:
             import cProfile
             import pstats
