@@ -49,6 +49,7 @@ VARIANTS = [
     ("one-producer-7-groups", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                                     producers=1)),
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
+    ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -109,6 +110,10 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         assert re.search(r"\b(fma|mul)(\.rn)?\.bf16x2", ptx)
     # The fused kernel computes the softmax: exponentials on the device.
     assert ("ex2.approx" in ptx) == cfg.fused
+    # Where a query's threads split the per-sample setup they pass records by shuffles (and the fused
+    # softmax's maximum and sum by butterflies).
+    assert ("shfl.sync.idx" in ptx) == cfg.splits_setup
+    assert ("shfl.sync.bfly" in ptx) == (cfg.splits_setup and cfg.fused)
 
 
 @pytest.mark.parametrize("name", [n for n, cfg in VARIANTS if isinstance(cfg, GenericConfig)])

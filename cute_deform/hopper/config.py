@@ -70,6 +70,10 @@ class KernelConfig(ProblemConfig):
     # Producer warps that feed the input rings: 0 gives each group its own; k (dividing num_groups) has
     # warp p feed groups p, p + k, ..., which leaves room for more consumer warps in 1024 threads.
     producers: int = 0
+    # The T threads of a query split each level's per-sample setup (footprint, bilinear weights, which
+    # corners lie in the level; fused: softmax and locations) by point and pass each other the results
+    # by warp shuffles, instead of all T computing every sample. Only where T divides a warp.
+    split_setup: bool = True
 
     def __post_init__(self):
         if self.num_groups == 0:
@@ -100,6 +104,12 @@ class KernelConfig(ProblemConfig):
         """Queries of one tile: as many as the 128 consumer threads of a group cover whole (threads past
         the last query idle where the head's vectors do not divide 128)."""
         return CONSUMER_WARPS * 32 // self.threads_per_query
+
+    @property
+    def splits_setup(self) -> bool:
+        """Whether the threads of a query split the per-sample setup (split_setup, where T > 1 divides 32)."""
+        T = self.threads_per_query
+        return self.split_setup and 1 < T <= 32 and 32 % T == 0
 
     @property
     def level_points(self) -> int:

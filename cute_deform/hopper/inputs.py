@@ -31,6 +31,15 @@ def exp_shifted(logit, top):
     return cute.math.exp2((logit - top) * LOG2E, fastmath=True)
 
 
+def _butterfly(x, lanes: int, op):
+    """op over the aligned runs of `lanes` threads, in every thread of the run (xor shuffles)."""
+    step = lanes // 2
+    while step:
+        x = op(x, cute.arch.shuffle_sync_bfly(x, step))
+        step //= 2
+    return x
+
+
 def checked_level(mShapes: cute.Tensor, mStarts: cute.Tensor, level, S):
     """(H, W, first pixel, fits) of one level, read on the device. A level that does not fit in value
     (H or W < 1, start < 0, start + H*W > S: shapes the host could not check without a sync) reads as a
@@ -70,7 +79,9 @@ class QueryInputs:
 
     source: ("smem", loc stage, weight stage, slot) or ("global", mLoc, mAttn, row) where row is the
     (image, query, head) row index; ref: (mRef, image * Lq + query) for the fused kernel, else None;
-    softmax: fused, the logits' maximum (times log2 e) and the reciprocal of the sum of exponentials."""
+    softmax: fused, the logits' maximum (times log2 e) and the reciprocal of the sum of exponentials;
+    lanes: None, or (chunk, T) where the T threads of a query split its points (thread `chunk` reads
+    points chunk, chunk + T, ..., at run-time indices: `level`'s function then takes those)."""
 
     L: int
     P: int
@@ -79,23 +90,69 @@ class QueryInputs:
     source: tuple
     ref: object
     softmax: object
+    lanes: object = None
 
     @property
     def LP(self) -> int:
         return self.L * self.P
 
     @staticmethod
-    def create(num_levels: int, num_points: int, fused: bool, ref_dims: int, source, ref) -> "QueryInputs":
-        inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None)
+    def create(num_levels: int, num_points: int, fused: bool, ref_dims: int, source, ref,
+               lanes=None) -> "QueryInputs":
+        inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None, lanes)
         if fused:
-            inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, inputs._softmax())
+            softmax = inputs._softmax_split() if lanes is not None else inputs._softmax()
+            inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, softmax, lanes)
         return inputs
 
     def _raw_logit(self, k):
-        """Attention input k of the row (a weight, or a logit when fused) as fp32."""
-        _, sLoc, sAttn, slot = self.source
-        a = cute.make_tensor(sAttn.iterator + slot * self.LP + k, cute.make_layout(1)).load()
-        return a.to(cutlass.Float32)[0]
+        """Attention input k of the row (a weight, or a logit when fused) as fp32; k may be a run-time
+        index."""
+        if self.source[0] == "smem":
+            _, sLoc, sAttn, slot = self.source
+            a = cute.make_tensor(sAttn.iterator + slot * self.LP + k, cute.make_layout(1)).load()
+            return a.to(cutlass.Float32)[0]
+        _, _, mAttn, row = self.source
+        return load_row(mAttn, row, self.LP, k, 1)[0]
+
+    def _raw_xy(self, k):
+        """Location (or offset) k of the row as fp32; k may be a run-time index."""
+        if self.source[0] == "smem":
+            _, sLoc, sAttn, slot = self.source
+            i = slot * (2 * self.LP) + k * 2
+            xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
+        else:
+            _, mLoc, _, row = self.source
+            xy = load_row(mLoc, row, 2 * self.LP, k * 2, 2)
+        return xy[0], xy[1]
+
+    def own_points(self):
+        """Split: (point index, whether it is a point) of each point this thread computes in a level:
+        chunk, chunk + T, ... (past the last point: the last, not used)."""
+        chunk, T = self.lanes
+        out = []
+        for j in range(-(-self.P // T)):
+            point = chunk + j * T
+            out.append((cutlass.min(point, self.P - 1), point < self.P))
+        return out
+
+    def _softmax_split(self):
+        """_softmax with the T threads of a query each taking its own points of every level, then a
+        butterfly over the T threads for the maximum and for the sum."""
+        _, T = self.lanes
+        own = []
+        for level in range(self.L):
+            for point, real in self.own_points():
+                own.append((self._raw_logit(level * self.P + point), real))
+        top = cutlass.Float32(-float("inf"))
+        for logit, real in own:
+            top = cute.arch.fmax(top, cutlass.select_(real, logit, cutlass.Float32(-float("inf"))))
+        top = _butterfly(top, T, cute.arch.fmax)
+        total = cutlass.Float32(0.0)
+        for logit, real in own:
+            total = total + cutlass.select_(real, exp_shifted(logit, top), cutlass.Float32(0.0))
+        total = _butterfly(total, T, lambda x, y: x + y)
+        return top, 1.0 / total
 
     def _softmax(self):
         """The logits' maximum and the reciprocal of the sum of exponentials, once per query."""
@@ -120,13 +177,10 @@ class QueryInputs:
         """A function of the point: (w, h, a) of every point of one level, in pixels of the level."""
         P = self.P
         Wf, Hf = cutlass.Float32(W), cutlass.Float32(H)
-        if self.source[0] == "smem":
-            _, sLoc, sAttn, slot = self.source
-
+        if self.source[0] == "smem" or self.lanes is not None:
             def raw(point):
-                i = slot * (2 * self.LP) + (level * P + point) * 2
-                xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
-                return xy[0], xy[1], self._raw_logit(level * P + point)
+                x, y = self._raw_xy(level * P + point)
+                return x, y, self._raw_logit(level * P + point)
         else:
             _, mLoc, mAttn, row = self.source
             xys = load_row(mLoc, row, 2 * self.LP, level * 2 * P, 2 * P)

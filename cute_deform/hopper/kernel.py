@@ -32,7 +32,7 @@ except Exception:
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
-from .sampling import Bilinear, global_corners, staged_corners
+from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
@@ -58,6 +58,7 @@ class MSDAForward:
         self.prefetch = config.prefetch_inputs
         self.fused = config.fused
         self.permuted = config.permuted
+        self.split = config.splits_setup
         self.value_dtype = DTYPES[config.value_dtype]
         self.loc_dtype = DTYPES[config.loc_dtype]
         self.attn_dtype = DTYPES[config.attn_dtype]
@@ -487,7 +488,8 @@ class MSDAForward:
                         source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot)
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
-                        inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref)
+                        inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
+                                                    (chunk, self.T) if cutlass.const_expr(self.split) else None)
                         box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
                                                      box_state, storage, segment, n, m, read_slot, chunk)
                     if cutlass.const_expr(self.prefetch):
@@ -528,10 +530,21 @@ class MSDAForward:
                 cutlass.Int32(sLevels[level, 3]))
 
     @cute.jit
-    def gather_points(self, acc, points, H, W, top_left, corner):
-        for point in cutlass.range_constexpr(self.P):
-            w, h, a = points(point)
-            self.bilinear.sample(acc, w, h, a, H, W, top_left, corner)
+    def gather_points(self, acc, inputs, level: int, H, W, top_left, corner):
+        """Every point of one level into acc. Split: this thread sets up its own points (chunk, chunk + T,
+        ...), then each point's record comes from the thread that set it up (a shuffle a value)."""
+        points = inputs.level(level, H, W)
+        if cutlass.const_expr(inputs.lanes is None):
+            for point in cutlass.range_constexpr(self.P):
+                w, h, a = points(point)
+                self.bilinear.sample(acc, w, h, a, H, W, top_left, corner)
+        else:
+            # Point j * T + src is thread src's j-th: one record of this thread's is live at a time.
+            for j, (point, _) in enumerate(inputs.own_points()):
+                w, h, a = points(point)
+                record = self.bilinear.setup(w, h, a, H, W)
+                for src in cutlass.range_constexpr(min(self.T, self.P - j * self.T)):
+                    self.bilinear.sample_record(acc, share(record, src, self.T), top_left, corner)
 
     @cute.jit
     def gather_staged(self, acc, inputs, sStaged, sLevels, staging, segment, chunk):
@@ -542,7 +555,7 @@ class MSDAForward:
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
                 top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels)
-                self.gather_points(acc, inputs.level(level, H, W), H, W, top_left, corner)
+                self.gather_points(acc, inputs, level, H, W, top_left, corner)
 
     @cute.jit
     def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk):
@@ -554,7 +567,7 @@ class MSDAForward:
         base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                 + (m * self.D + chunk * self.C) * e)
         top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype)
-        self.gather_points(acc, inputs.level(level, H, W), H, W, top_left, corner)
+        self.gather_points(acc, inputs, level, H, W, top_left, corner)
 
     @cute.jit
     def gather_boxes(self, acc, inputs, sLevels, rings, state, storage, slot, chunk):

@@ -16,6 +16,13 @@ except Exception:
     pass
 
 
+def share(record, src, lanes: int):
+    """Every value of a record (numbers, or 32-bit vectors) from thread `src` of each aligned run of
+    `lanes` threads of the warp (shfl.sync.idx over segments of `lanes`)."""
+    segment = ((32 - lanes) << 8) | 31
+    return tuple(cute.arch.shuffle_sync(v, src, mask_and_clamp=segment) for v in record)
+
+
 class Bilinear:
     def __init__(self, value_dtype, channels: int, packed: bool):
         self.value_dtype = value_dtype
@@ -63,15 +70,58 @@ class Bilinear:
         """acc += a * (sum of weight * corner), the sum in value's dtype (packed) or in fp32."""
         if cutlass.const_expr(self.packed):
             dt = self.value_dtype
-            total = corners[0] * dt(weights[0])
+            weights = [w if isinstance(w, dt) else dt(w) for w in weights]
+            total = corners[0] * weights[0]
             for c in cutlass.range_constexpr(1, 4):
-                total = total + corners[c] * dt(weights[c])
+                total = total + corners[c] * weights[c]
             acc.store(acc.load() + a * total.to(cutlass.Float32))
         else:
             total = corners[0].to(cutlass.Float32) * weights[0]
             for c in cutlass.range_constexpr(1, 4):
                 total = total + corners[c].to(cutlass.Float32) * weights[c]
             acc.store(acc.load() + a * total)
+
+    @cute.jit
+    def setup(self, w, h, a, H, W):
+        """One sample's record for sample_record: (first corner's pixel index in the level, a bit per
+        corner in the level, a (0 for a skipped sample), then the corner weights: four fp32, or, packed,
+        two pairs in value's dtype)."""
+        inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
+        rows, cols = self.inside_corners(x0, y0, H, W)
+        mask = cutlass.Int32(0)
+        for dy in cutlass.range_constexpr(2):
+            for dx in cutlass.range_constexpr(2):
+                mask = mask | cutlass.select_(rows[dy] & cols[dx], cutlass.Int32(1 << (2 * dy + dx)),
+                                              cutlass.Int32(0))
+        # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
+        a = cutlass.select_(inside, a, cutlass.Float32(0.0))
+        weights = self.weights(lw, lh)
+        if cutlass.const_expr(self.packed):
+            pairs = []
+            for k in cutlass.range_constexpr(2):
+                pair = cute.make_rmem_tensor(cute.make_layout(2), cutlass.Float32)
+                pair[0] = weights[2 * k]
+                pair[1] = weights[2 * k + 1]
+                pairs.append(pair.load().to(self.value_dtype))
+            weights = tuple(pairs)
+        return (y0 * W + x0, mask, a) + tuple(weights)
+
+    def record_weights(self, record):
+        """The four corner weights of a record (scalars in value's dtype when packed)."""
+        if self.packed:
+            return record[3][0], record[3][1], record[4][0], record[4][1]
+        return record[3:7]
+
+    @cute.jit
+    def sample_record(self, acc, record, top_left, corner):
+        """acc += the sample of a record (setup's, possibly another thread's)."""
+        first = top_left(record[0])
+        mask = record[1]
+        corners = []
+        for dy in cutlass.range_constexpr(2):
+            for dx in cutlass.range_constexpr(2):
+                corners.append(corner(first, dy, dx, (mask & (1 << (2 * dy + dx))) != 0))
+        self.accumulate(acc, record[2], self.record_weights(record), corners)
 
     @cute.jit
     def sample(self, acc, w, h, a, H, W, top_left, corner):
