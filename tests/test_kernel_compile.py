@@ -110,9 +110,11 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         assert re.search(r"\b(fma|mul)(\.rn)?\.bf16x2", ptx)
     # The fused kernel computes the softmax: exponentials on the device.
     assert ("ex2.approx" in ptx) == cfg.fused
-    # Where a query's threads split the per-sample setup they pass records by shuffles (and the fused
-    # softmax's maximum and sum by butterflies).
-    assert ("shfl.sync.idx" in ptx) == cfg.splits_setup
+    # Where a query's threads split the per-sample setup they pass records by shuffles over segments of
+    # T lanes (and the fused softmax's maximum and sum by butterflies).
+    segment = ((32 - cfg.threads_per_query) << 8) | 31
+    shuffles = len(re.findall(rf"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, \d+, {segment}, -1;", ptx))
+    assert (shuffles > 0) == cfg.splits_setup
     assert ("shfl.sync.bfly" in ptx) == (cfg.splits_setup and cfg.fused)
 
 

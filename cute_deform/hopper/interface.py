@@ -52,15 +52,18 @@ REORDER_MIN_SAMPLES = 1 << 26
 # 512 measured 2.7% faster than 128 on seed-b48, queries sorted or shuffled (H100).
 ORDER_BITS = 9
 ORDER_CELLS = 1 << ORDER_BITS
-# Groups of a CTA when single CTAs run one round of long ranges (encoders). With one producer warp for
-# all groups seven fit in 1024 threads: 97.3 / 137.0 / 129.4 us on dcnv4-test / detr-encoder /
-# detr-encoder-init, against 106.2 / 141.3 / 133.0 with six groups of their own producer (H100). Through
-# the order table each group keeps its own producer (the per-row copies are a warp's work), and six.
-SINGLE_CTA_GROUPS = 7
+# Single-CTA launches (choose_launch) take one producer warp for all groups, and this many groups and
+# setup (KernelConfig.split_setup), by kernel (docs/performance.md, sessions 7 and 8; H100):
+# - up to 16 samples a query: seven groups, every thread its own setup (detr-encoder 136.9 us against
+#   144.3 split);
+# - more samples a query: four groups, the setup split (dcnv4-test 89.8 against 96.6 at seven);
+# - fused: six groups (seven spill), every thread its own setup (139.1 against 141.4 us split on the fp16
+#   layer's kernel).
+# Through the order table each group keeps its own producer (the per-row copies are a warp's work), and six.
+SINGLE_CTA_FEW_SAMPLES = dict(num_groups=7, producers=1, split_setup=False)
+SINGLE_CTA_MANY_SAMPLES = dict(num_groups=4, producers=1, split_setup=True)
+SINGLE_CTA_FUSED = dict(num_groups=6, producers=1, split_setup=False)
 SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
-# The fused kernel (softmax and locations inside) spills at seven groups (64 registers: 124 bytes a
-# thread, against none at six groups and one producer warp, 72 registers; ptxas).
-SINGLE_CTA_GROUPS_FUSED = 6
 
 
 def available() -> bool:
@@ -222,7 +225,7 @@ def launch_variants(cfg) -> list:
     if not cfg.l1_first:
         out.append(dataclasses.replace(cfg, l1_first=True, producers=1))
     if cfg.cluster_size > 1:
-        out.append(dataclasses.replace(cfg, cluster_size=1, num_groups=_single_cta_groups(cfg), producers=1))
+        out.append(dataclasses.replace(cfg, cluster_size=1, **_single_cta(cfg)))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True))
     return out
@@ -419,8 +422,11 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
-def _single_cta_groups(cfg) -> int:
-    return SINGLE_CTA_GROUPS_FUSED if cfg.fused else SINGLE_CTA_GROUPS
+def _single_cta(cfg) -> dict:
+    """The groups, producers and setup of single-CTA launches of cfg (with one producer warp)."""
+    if cfg.fused:
+        return SINGLE_CTA_FUSED
+    return SINGLE_CTA_FEW_SAMPLES if cfg.level_points <= 16 else SINGLE_CTA_MANY_SAMPLES
 
 
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, reorder,
@@ -437,15 +443,16 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     shared_producer = cfg.prefetch_inputs and not changes.get("permuted", cfg.permuted)
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
-    if schedule.rounds == 1 and not schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in fixed:
+    single_cta = not schedule.whole and (schedule.rounds == 1 or (cfg.fused and not changes.get("permuted", cfg.permuted)))
+    if single_cta and cfg.cluster_size > 1 and "cluster_size" not in fixed:
         # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
         # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with more groups
-        # (SINGLE_CTA_GROUPS); multicast staging wins where ranges are short or whole segments (seed-b48,
-        # decoders).
+        # (_single_cta); multicast staging wins where ranges are short or whole segments (seed-b48,
+        # decoders). The fused kernel takes single CTAs in any number of rounds (the fp32 layer, three
+        # rounds: 228 against 340 us).
         changes["cluster_size"] = 1
-        if "num_groups" not in fixed and "producers" not in fixed:
-            more = (dict(num_groups=_single_cta_groups(cfg), producers=1) if shared_producer
-                    else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER))
+        if not fixed & {"num_groups", "producers", "split_setup"}:
+            more = _single_cta(cfg) if shared_producer else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
