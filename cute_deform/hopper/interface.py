@@ -54,15 +54,16 @@ ORDER_BITS = 9
 ORDER_CELLS = 1 << ORDER_BITS
 # Single-CTA launches (choose_launch) take one producer warp for all groups, and this many groups and
 # setup (KernelConfig.split_setup), by kernel (docs/performance.md, sessions 7 and 8; H100):
-# - up to 16 samples a query: seven groups, every thread its own setup (detr-encoder 136.9 us against
-#   144.3 split);
-# - more samples a query: four groups, the setup split (dcnv4-test 89.8 against 96.6 at seven);
-# - fused: six groups (seven spill), every thread its own setup (139.1 against 141.4 us split on the fp16
-#   layer's kernel).
-# Through the order table each group keeps its own producer (the per-row copies are a warp's work), and six.
+# - fp16/bf16 value, up to 16 samples a query: seven groups, every thread its own setup (detr-encoder
+#   137.9 against 144.3 us split);
+# - fp16/bf16 value, more samples a query: four groups, the setup split (dcnv4-test 90.9 against 97.3
+#   at seven groups unsplit);
+# - the fused kernel, and fp32 value: six groups (the fused kernel spills at seven), every thread its own
+#   setup (the fp16 layer's kernel: 139.7 against 151.6 us split; fp32 detr-encoder 204.7 against 212.4
+#   at seven groups).
 SINGLE_CTA_FEW_SAMPLES = dict(num_groups=7, producers=1, split_setup=False)
 SINGLE_CTA_MANY_SAMPLES = dict(num_groups=4, producers=1, split_setup=True)
-SINGLE_CTA_FUSED = dict(num_groups=6, producers=1, split_setup=False)
+SINGLE_CTA_SIX = dict(num_groups=6, producers=1, split_setup=False)
 SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
 
 
@@ -424,8 +425,8 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
 
 def _single_cta(cfg) -> dict:
     """The groups, producers and setup of single-CTA launches of cfg (with one producer warp)."""
-    if cfg.fused:
-        return SINGLE_CTA_FUSED
+    if cfg.fused or not cfg.packed_math:
+        return SINGLE_CTA_SIX
     return SINGLE_CTA_FEW_SAMPLES if cfg.level_points <= 16 else SINGLE_CTA_MANY_SAMPLES
 
 
@@ -443,13 +444,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     shared_producer = cfg.prefetch_inputs and not changes.get("permuted", cfg.permuted)
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
-    single_cta = not schedule.whole and (schedule.rounds == 1 or (cfg.fused and not changes.get("permuted", cfg.permuted)))
+    permuted = changes.get("permuted", cfg.permuted)
+    single_cta = ((schedule.rounds == 1 and not schedule.whole)
+                  or (not permuted and ((cfg.fused and not schedule.whole) or not cfg.packed_math)))
     if single_cta and cfg.cluster_size > 1 and "cluster_size" not in fixed:
         # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
         # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with more groups
-        # (_single_cta); multicast staging wins where ranges are short or whole segments (seed-b48,
-        # decoders). The fused kernel takes single CTAs in any number of rounds (the fp32 layer, three
-        # rounds: 228 against 340 us).
+        # (_single_cta); for fp16 value multicast staging wins where ranges are short or whole segments
+        # (seed-b48, decoders). The fused kernel takes single CTAs in any number of rounds (the fp32 layer,
+        # three rounds: 228 against 337 us), and fp32 value everywhere but through the order table
+        # (fp32 detr-encoder, three rounds: 204.7 against 239.6 us; detr-decoder, whole segments: 97.1
+        # against 120.5).
         changes["cluster_size"] = 1
         if not fixed & {"num_groups", "producers", "split_setup"}:
             more = _single_cta(cfg) if shared_producer else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
