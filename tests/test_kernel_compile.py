@@ -198,7 +198,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
     assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1),
-                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False),
                         dataclasses.replace(cfg, permuted=True)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
@@ -220,9 +220,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
 
 
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
-    # encoders: one round of long ranges -> single CTAs of seven groups and one producer warp
-    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1)),
-    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=7, producers=1)),
+    # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
+    # its own setup, up to 16 samples a query; four groups and the setup split beyond
+    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False)),
+    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True)),
     # decoders: whole segments -> L1 levels first and one producer warp, CTA pairs
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1)),
     ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1)),
@@ -240,9 +241,25 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
 
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
+    six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
     cfg = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
-    assert launch_of(cfg, 2, 22223, 22223)[0] == dict(cluster_size=1, num_groups=6, producers=1)
-    assert dataclasses.replace(cfg, cluster_size=1, num_groups=6, producers=1) in interface.launch_variants(cfg)
+    assert launch_of(cfg, 2, 22223, 22223)[0] == six
+    assert dataclasses.replace(cfg, **six) in interface.launch_variants(cfg)
+    # fp32 (three rounds of ranges) too.
+    fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
+    changes, _, schedule = launch_of(fp32, 2, 22223, 22223)
+    assert changes == six and schedule.rounds > 1
+
+
+def test_fp32_value_takes_single_ctas_of_six_groups():
+    """fp32 value: single CTAs of six groups, one producer, each thread its own setup, in any number of
+    rounds and for whole segments; the order table keeps CTA pairs."""
+    six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
+    cfg = tiled("float32", "float32", "float32", 8, 4, 4, 32)
+    changes, _, schedule = launch_of(cfg, 2, 22223, 22223)
+    assert changes == six and schedule.rounds > 1
+    assert launch_of(cfg, 8, 900, 22223)[0] == six
+    assert launch_of(cfg, 48, 15422, 19560)[0] == dict(permuted=True)
 
 
 def test_launch_choices_follow_the_caller():
