@@ -64,6 +64,8 @@ ORDER_CELLS = 1 << ORDER_BITS
 SINGLE_CTA_FEW_SAMPLES = dict(num_groups=7, producers=1, split_setup=False)
 SINGLE_CTA_MANY_SAMPLES = dict(num_groups=4, producers=1, split_setup=True)
 SINGLE_CTA_SIX = dict(num_groups=6, producers=1, split_setup=False)
+# Through the order table each group keeps its own producer warp (its per-row copies are a warp's work):
+# six groups fit in 1024 threads.
 SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
 
 
@@ -217,9 +219,9 @@ def _compile_into_cache(cfg) -> str:
 
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
-    gather order and one producer warp where ranges are whole segments, to single CTAs of seven groups
-    and one producer warp where one round of long ranges runs, and to the order table for large
-    problems. (Rarer combinations compile when first met.)"""
+    gather order and one producer warp where ranges are whole segments, to single CTAs with one producer
+    warp (_single_cta's groups and setup) where one round of long ranges runs, and to the order table for
+    large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
     out = [cfg]
@@ -442,9 +444,9 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         changes["permuted"] = True
     # One producer warp can feed every group's input ring, leaving room for consumer warps; the order
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
-    shared_producer = cfg.prefetch_inputs and not changes.get("permuted", cfg.permuted)
-    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     permuted = changes.get("permuted", cfg.permuted)
+    shared_producer = cfg.prefetch_inputs and not permuted
+    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and ((cfg.fused and not schedule.whole) or not cfg.packed_math)))
     if single_cta and cfg.cluster_size > 1 and "cluster_size" not in fixed:
