@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from . import op as _op
 from ._checks import FUSED_NAMES, _check_tensor, validate_fused
 from .reference import fused_sampling_inputs, ms_deform_attn_reference
@@ -125,9 +126,13 @@ def _refuse_backward(ctx, grad):
 
 
 _lib.impl("forward_fused", _forward_fused_cpu, "CPU")
-_lib.impl("forward_fused", _forward_fused_cuda, "CUDA")
 torch.library.register_fake("cute_deform::forward_fused", _forward_fused_fake, lib=_lib)
-torch.library.register_autograd("cute_deform::forward_fused", _refuse_backward, lib=_lib)
+if native.LOADED:  # the C++ launcher's CUDA and Autograd kernels call this one for what they cannot launch
+    _lib.define("_forward_fused_python" + SCHEMA)
+    _lib.impl("_forward_fused_python", _forward_fused_cuda, "CUDA")
+else:
+    _lib.impl("forward_fused", _forward_fused_cuda, "CUDA")
+    torch.library.register_autograd("cute_deform::forward_fused", _refuse_backward, lib=_lib)
 
 
 def ms_deform_attn_fused(

@@ -14,7 +14,9 @@ dtype. im2col_step is accepted for drop-in compatibility and ignored: any batch 
 The op is forward only; backpropagating through it raises.
 
 Registered through public `torch.library` calls only: `Library.define` / `Library.impl` for the CPU
-and CUDA kernels, `register_fake`, and `register_autograd` with a backward that raises.
+and CUDA kernels, `register_fake`, and `register_autograd` with a backward that raises. Where the C++
+launcher loads (`cute_deform.native`), it holds the CUDA and Autograd kernels instead, and the Python
+CUDA kernel becomes `cute_deform::_forward_python`, which it calls for what it cannot launch itself.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import warnings
 
 import torch
 
-from . import cpu
+from . import cpu, native
 from ._checks import OP_NAMES, validate
 from .reference import ms_deform_attn_grid_sample
 
@@ -161,12 +163,18 @@ def _backward(ctx, grad_output):
 
 
 _lib.impl("forward", _forward_cpu, "CPU")
-_lib.impl("forward", _forward_cuda, "CUDA")
 _lib.impl("forward", _forward_other_device, "CompositeExplicitAutograd")
 torch.library.register_fake("cute_deform::forward", _forward_fake, lib=_lib)
-# With an input that requires grad, the output gets a grad_fn whose backward raises (_backward);
-# otherwise torch's autograd kernel passes the call down to the CPU / CUDA kernel.
-torch.library.register_autograd("cute_deform::forward", _backward, lib=_lib)
+if native.load():
+    # The C++ launcher (cute_deform/native.py) holds the CUDA and Autograd kernels; it runs the launches
+    # Python made before and hands every other call to this Python kernel.
+    _lib.define("_forward_python" + SCHEMA)
+    _lib.impl("_forward_python", _forward_cuda, "CUDA")
+else:
+    _lib.impl("forward", _forward_cuda, "CUDA")
+    # With an input that requires grad, the output gets a grad_fn whose backward raises (_backward);
+    # otherwise torch's autograd kernel passes the call down to the CPU / CUDA kernel.
+    torch.library.register_autograd("cute_deform::forward", _backward, lib=_lib)
 
 
 @functools.lru_cache(maxsize=None)

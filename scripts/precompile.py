@@ -54,6 +54,12 @@ def configurations() -> list:
             for loc_dt in (torch.float32, torch.float16, torch.bfloat16):
                 cfg = _config(dt, loc_dt, preset.heads, preset.head_dim, len(preset.levels), preset.points)
                 configs += interface.launch_variants(cfg)
+    # tests/test_native_gpu.py: the tiled and generic kernels, and the fused one with points and boxes.
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for D in (32, 6):
+            configs += interface.launch_variants(_config(dt, torch.float32, 8, D, 4, 4))
+    for ref_dims in (2, 4):
+        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, 4, 4, ref_dims=ref_dims))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):

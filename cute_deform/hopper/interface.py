@@ -33,6 +33,8 @@ try:
 except Exception as exc:  # the package works without the DSL, through the reference path
     _DSL_ERROR = exc
 
+from .. import native
+from .._cache import cache_dir  # noqa: F401  (the kernels' disk cache; also the launcher's)
 from . import tile_scheduler
 from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
@@ -130,17 +132,6 @@ def compile_kernel(cfg, extra_options: str = ""):
         Kernel(cfg), *_fake_args(cfg), make_fake_stream(use_tvm_ffi_env_stream=True),
         options=f"--enable-tvm-ffi --gpu-arch={TARGET_ARCH} {extra_options}".strip(),
     )
-
-
-def cache_dir() -> Path | None:
-    """Where compiled kernels are kept between processes: $CUTE_DEFORM_CACHE_DIR, else
-    $XDG_CACHE_HOME/cute_deform (~/.cache/cute_deform). CUTE_DEFORM_CACHE_DIR=off (or empty) disables it."""
-    configured = os.environ.get("CUTE_DEFORM_CACHE_DIR")
-    if configured is None:
-        return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cute_deform"
-    if configured.strip().lower() in ("", "0", "off", "none", "false"):
-        return None
-    return Path(configured)
 
 
 _SOURCE_DIGEST = None
@@ -504,11 +495,20 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
     if out.numel() == 0:
         return out
     cfg = plan.cfg
+    given = (value, loc, attn, ref)
     shapes, starts = _as_table(shapes, device), _as_table(starts, device)
     value, loc, attn = _aligned(value), _aligned(loc), _aligned(attn)
     third = _aligned(ref) if ref is not None else loc
+    # The C++ launcher (cute_deform.native) takes over launches of the default tuning on dense inputs
+    # (others would come back here every call).
+    handover = (native.LOADED and not tuning and given[0] is value and given[1] is loc and given[2] is attn
+                and (ref is None or given[3] is third))
     if isinstance(cfg, GenericConfig):
-        plan.fn(value, shapes, starts, loc, attn, third, out, plan.sms * cfg.ctas_per_sm)
+        grid = plan.sms * cfg.ctas_per_sm
+        plan.fn(value, shapes, starts, loc, attn, third, out, grid)
+        if handover:
+            native.register(value, loc, attn, ref, plan.fn, True, grid, 0, 0, _placeholder(device, (1, 1)),
+                            _placeholder(device, (1, 1, 16)))
         return out
     size = (N, Lq, S, window, reorder)
     launch = plan.launches.get(size)
@@ -527,4 +527,6 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
     else:
         maps = _placeholder(device, (1, 1, 16))
     runs.fn(value, shapes, starts, loc, attn, third, order, out, maps, grid, rounds, whole)
+    if handover and not runs.cfg.permuted and runs.cfg.fine_gather != "tma":
+        native.register(value, loc, attn, ref, runs.fn, False, grid, rounds, whole, order, maps)
     return out
