@@ -126,7 +126,10 @@ def layer_calls():
 
 
 def cmd_host(args):
+    from cute_deform import native
+
     calls = host_calls()
+    print(f"C++ launcher (CUTE_DEFORM_NATIVE): {'loaded' if native.LOADED else 'not loaded'}", flush=True)
     if args.layer:
         calls += layer_calls()
     grad_mode = torch.inference_mode if args.inference_mode else torch.no_grad
