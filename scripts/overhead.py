@@ -104,6 +104,14 @@ def host_calls(Lq=64):
     if hasattr(torch.ops.cute_deform, "forward_fused"):
         calls.append(("torch.ops.cute_deform.forward_fused",
                       lambda: torch.ops.cute_deform.forward_fused(value, shapes, starts, ref, loc, attn)))
+    # What any op call costs on this host, for scale: the output's allocation alone, and a dispatcher round
+    # trip with no tensors (the C++ launcher's registry size).
+    calls.append(("torch.empty of the output (for scale)",
+                  lambda: torch.empty((1, Lq, 256), dtype=torch.float16, device="cuda")))
+    from cute_deform import native
+
+    if native.LOADED:
+        calls.append(("torch.ops.cute_deform._native_entries (for scale)", torch.ops.cute_deform._native_entries))
     return calls
 
 
