@@ -323,15 +323,40 @@ bool try_launch(const at::Tensor& value, const at::Tensor& shapes, const at::Ten
 // ---------------------------------------------------------------------------------------------------
 // The op's kernels
 // ---------------------------------------------------------------------------------------------------
-const c10::OperatorHandle& python_forward() {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("cute_deform::_forward_python", "");
+// What differs between the two ops besides their arguments: names, signature and the backward's message
+// (the Python registration's).
+struct Forward {
+  static constexpr const char* name = "cute_deform::forward";
+  static constexpr const char* python = "cute_deform::_forward_python";
+  static constexpr const char* forward_only =
+      "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot flow "
+      "through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
+      "torch.inference_mode(), or detach its inputs.";
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, int64_t);
+};
+
+struct ForwardFused {
+  static constexpr const char* name = "cute_deform::forward_fused";
+  static constexpr const char* python = "cute_deform::_forward_fused_python";
+  static constexpr const char* forward_only =
+      "cute_deform.forward_fused is forward only: there is no backward through it (no autograd formula)";
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, const at::Tensor&);
+};
+
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::Signature>& op_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, "").template typed<typename Op::Signature>();
   return op;
 }
 
-const c10::OperatorHandle& python_forward_fused() {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("cute_deform::_forward_fused_python", "");
+// The Python kernel, for what try_launch does not take.
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::Signature>& python_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(Op::python, "").template typed<typename Op::Signature>();
   return op;
 }
 
@@ -341,10 +366,8 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   at::Tensor out;
   if (try_launch(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, c10::nullopt, out))
     return out;
-  return python_forward()
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, int64_t)>()
-      .call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step);
+  return python_handle<Forward>().call(value, spatial_shapes, level_start_index, sampling_locations,
+                                       attention_weights, im2col_step);
 }
 
 at::Tensor forward_fused_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -353,106 +376,51 @@ at::Tensor forward_fused_cuda(const at::Tensor& value, const at::Tensor& spatial
   at::Tensor out;
   if (try_launch(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits, reference_points, out))
     return out;
-  return python_forward_fused()
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&)>()
-      .call(value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits);
+  return python_handle<ForwardFused>().call(value, spatial_shapes, level_start_index, reference_points,
+                                            sampling_offsets, attention_logits);
 }
 
-// Forward only: an output computed from inputs that require grad gets a grad_fn whose backward raises
-// (the messages are the Python registration's).
-const char* kForwardOnly =
-    "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot flow "
-    "through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
-    "torch.inference_mode(), or detach its inputs.";
-const char* kFusedForwardOnly =
-    "cute_deform.forward_fused is forward only: there is no backward through it (no autograd formula)";
-
-const c10::OperatorHandle& forward_op() {
-  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("cute_deform::forward", "");
-  return op;
-}
-
-const c10::OperatorHandle& forward_fused_op() {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("cute_deform::forward_fused", "");
-  return op;
-}
-
-at::Tensor redispatch_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                              const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                              const at::Tensor& attention_weights, int64_t im2col_step) {
+// The op below the autograd layer (the CUDA kernel above, or the CPU / fake / other ones).
+template <typename Op, typename... Args>
+at::Tensor redispatch(const Args&... args) {
   at::AutoDispatchBelowADInplaceOrView below;
-  return forward_op()
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, int64_t)>()
-      .call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step);
+  return op_handle<Op>().call(args...);
 }
 
-at::Tensor redispatch_forward_fused(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                    const at::Tensor& level_start_index, const at::Tensor& reference_points,
-                                    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits) {
-  at::AutoDispatchBelowADInplaceOrView below;
-  return forward_fused_op()
-      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, const at::Tensor&)>()
-      .call(value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits);
-}
-
-struct ForwardOnly : public torch::autograd::Function<ForwardOnly> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& value,
-                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                            const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
-                            int64_t im2col_step) {
-    return redispatch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                              im2col_step);
+// Forward only: an output computed from inputs that require grad gets a grad_fn whose backward raises.
+template <typename Op>
+struct ForwardOnly : public torch::autograd::Function<ForwardOnly<Op>> {
+  template <typename... Args>
+  static at::Tensor forward(torch::autograd::AutogradContext*, const Args&... args) {
+    return redispatch<Op>(args...);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list) {
-    TORCH_CHECK(false, kForwardOnly);
+    TORCH_CHECK(false, Op::forward_only);
   }
 };
 
-struct FusedForwardOnly : public torch::autograd::Function<FusedForwardOnly> {
-  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& value,
-                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                            const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
-                            const at::Tensor& attention_logits) {
-    return redispatch_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                                    attention_logits);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
-                                                 torch::autograd::variable_list) {
-    TORCH_CHECK(false, kFusedForwardOnly);
-  }
-};
+bool requires_grad(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+bool requires_grad(int64_t) { return false; }
 
-bool any_requires_grad(std::initializer_list<const at::Tensor*> tensors) {
-  if (!c10::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : tensors)
-    if (t->defined() && t->requires_grad()) return true;
-  return false;
+template <typename Op, typename... Args>
+at::Tensor autograd_kernel(const Args&... args) {
+  if (c10::GradMode::is_enabled() && (requires_grad(args) || ...)) return ForwardOnly<Op>::apply(args...);
+  return redispatch<Op>(args...);
 }
 
 at::Tensor forward_autograd(const at::Tensor& value, const at::Tensor& spatial_shapes,
                             const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                             const at::Tensor& attention_weights, int64_t im2col_step) {
-  if (any_requires_grad({&value, &spatial_shapes, &level_start_index, &sampling_locations, &attention_weights}))
-    return ForwardOnly::apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                              im2col_step);
-  return redispatch_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                            im2col_step);
+  return autograd_kernel<Forward>(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                                  im2col_step);
 }
 
 at::Tensor forward_fused_autograd(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                   const at::Tensor& level_start_index, const at::Tensor& reference_points,
                                   const at::Tensor& sampling_offsets, const at::Tensor& attention_logits) {
-  if (any_requires_grad({&value, &spatial_shapes, &level_start_index, &reference_points, &sampling_offsets,
-                         &attention_logits}))
-    return FusedForwardOnly::apply(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                                   attention_logits);
-  return redispatch_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                                  attention_logits);
+  return autograd_kernel<ForwardFused>(value, spatial_shapes, level_start_index, reference_points,
+                                       sampling_offsets, attention_logits);
 }
 
 }  // namespace
