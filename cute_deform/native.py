@@ -8,7 +8,7 @@ on torch's current stream. Every other call goes to the Python implementation (r
 over (`register`).
 
 Built with torch.utils.cpp_extension (a C++ compiler and ninja; no CUDA toolkit) once per torch and
-TVM-FFI version, into the kernel cache directory. CUTE_DEFORM_NATIVE chooses:
+TVM-FFI version and source, into the kernel cache directory. CUTE_DEFORM_NATIVE chooses:
 - "auto" (default): build and load where torch sees a CUDA device;
 - "1": always (the CPU tests use it to check the registration);
 - "0": never; the op stays all Python.
@@ -16,6 +16,7 @@ A build that fails leaves the op all Python, with one NativeLauncherWarning.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import warnings
@@ -48,7 +49,10 @@ def build_directory() -> Path:
 
     from ._cache import cache_dir
 
-    tag = f"torch-{torch.__version__}-tvm_ffi-{tvm_ffi.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    # One directory per source too: launcher.so there is this source's build, or absent.
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    tag = (f"torch-{torch.__version__}-tvm_ffi-{tvm_ffi.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+           f"-{source}")
     base = cache_dir()
     if base is None:  # the kernel cache is off: a per-user build directory still avoids rebuilding
         base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cute_deform"
@@ -64,7 +68,7 @@ def build(verbose: bool = False) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     library = Path(tvm_ffi.libinfo.find_libtvm_ffi())
     if not (directory / "launcher.so").exists():
-        print("cute_deform: building the C++ launcher (once per torch version, about a minute)...",
+        print("cute_deform: building the C++ launcher (once per torch version and launcher source, about half a minute)...",
               file=sys.stderr, flush=True)
     cpp_extension.load(
         name="launcher",
