@@ -50,6 +50,11 @@ VARIANTS = [
                                     producers=1)),
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
+    # Several samples' loads issued before any is summed: the decoders' launch, and without the split.
+    ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
+                             gather_batch=4)),
+    ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
+                                      gather_batch=3)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -197,17 +202,17 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1),
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False),
-                        dataclasses.replace(cfg, permuted=True)]
+                        dataclasses.replace(cfg, permuted=True, gather_batch=2)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
     # them, through the order table too.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
-    assert interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True, producers=1),
-                                              dataclasses.replace(odd, permuted=True)]
+    assert interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True, producers=1, gather_batch=4),
+                                              dataclasses.replace(odd, permuted=True, gather_batch=2)]
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
@@ -224,11 +229,12 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
     # its own setup, up to 16 samples a query; four groups and the setup split beyond
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True)),
-    # decoders: whole segments -> L1 levels first and one producer warp, CTA pairs
-    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1)),
-    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1)),
-    # a large batch: rounds and the order table, CTA pairs
-    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True)),
+    # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
+    # CTA pairs
+    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4)),
+    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4)),
+    # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
+    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
 ])
 def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
@@ -267,10 +273,12 @@ def test_launch_choices_follow_the_caller():
     # An explicit cluster size stays; reorder_queries forces the table on or off.
     assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
     # Through the order table each group keeps its producer warp (six groups in 1024 threads).
-    assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6)
+    assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6,
+                                                                  gather_batch=2)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1)
-    assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1)
     assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
     # Rows the consumers read themselves go through the table too; a single tile of queries does not.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)

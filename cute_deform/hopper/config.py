@@ -74,8 +74,13 @@ class KernelConfig(ProblemConfig):
     # corners lie in the level; fused: softmax and locations) by point and pass each other the results
     # by warp shuffles, instead of all T computing every sample. Only where T divides a warp.
     split_setup: bool = True
+    # Samples of an L1 level whose loads a thread issues before it sums any of them: more loads in
+    # flight a warp, for more registers.
+    gather_batch: int = 1
 
     def __post_init__(self):
+        if not 1 <= self.gather_batch <= MAX_POINTS:
+            raise ValueError(f"cute_deform: gather_batch must be in [1, {MAX_POINTS}], got {self.gather_batch!r}")
         if self.num_groups == 0:
             object.__setattr__(self, "num_groups", self._auto_groups())
         if self.fine_gather not in ("ldg", "tma"):

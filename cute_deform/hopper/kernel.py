@@ -530,21 +530,32 @@ class MSDAForward:
                 cutlass.Int32(sLevels[level, 3]))
 
     @cute.jit
-    def gather_points(self, acc, inputs, level: int, H, W, top_left, corner):
-        """Every point of one level into acc. Split: this thread sets up its own points (chunk, chunk + T,
-        ...), then each point's record comes from the thread that set it up (a shuffle a value)."""
+    def gather_points(self, acc, inputs, level: int, H, W, top_left, corner, batch: int):
+        """Every point of one level into acc, the loads of `batch` samples issued before any of them is
+        summed. Split: this thread sets up its own points (chunk, chunk + T, ...), then each point's
+        record comes from the thread that set it up (a shuffle a value)."""
         points = inputs.level(level, H, W)
+        pending = []
         if cutlass.const_expr(inputs.lanes is None):
             for point in cutlass.range_constexpr(self.P):
                 w, h, a = points(point)
-                self.bilinear.sample(acc, w, h, a, H, W, top_left, corner)
+                pending.append(self.bilinear.fetch(w, h, a, H, W, top_left, corner))
+                if cutlass.const_expr(len(pending) == batch or point == self.P - 1):
+                    for fetched in pending:
+                        self.bilinear.accumulate(acc, *fetched)
+                    pending = []
         else:
             # Point j * T + src is thread src's j-th: one record of this thread's is live at a time.
             for j, (point, _) in enumerate(inputs.own_points()):
                 w, h, a = points(point)
                 record = self.bilinear.setup(w, h, a, H, W)
-                for src in cutlass.range_constexpr(min(self.T, self.P - j * self.T)):
-                    self.bilinear.sample_record(acc, share(record, src, self.T), top_left, corner)
+                count = min(self.T, self.P - j * self.T)
+                for src in cutlass.range_constexpr(count):
+                    pending.append(self.bilinear.fetch_record(share(record, src, self.T), top_left, corner))
+                    if cutlass.const_expr(len(pending) == batch or src == count - 1):
+                        for fetched in pending:
+                            self.bilinear.accumulate(acc, *fetched)
+                        pending = []
 
     @cute.jit
     def gather_staged(self, acc, inputs, sStaged, sLevels, staging, segment, chunk):
@@ -555,7 +566,7 @@ class MSDAForward:
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
                 top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels)
-                self.gather_points(acc, inputs, level, H, W, top_left, corner)
+                self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
 
     @cute.jit
     def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk):
@@ -567,7 +578,7 @@ class MSDAForward:
         base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                 + (m * self.D + chunk * self.C) * e)
         top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype)
-        self.gather_points(acc, inputs, level, H, W, top_left, corner)
+        self.gather_points(acc, inputs, level, H, W, top_left, corner, self.cfg.gather_batch)
 
     @cute.jit
     def gather_boxes(self, acc, inputs, sLevels, rings, state, storage, slot, chunk):

@@ -113,20 +113,22 @@ class Bilinear:
         return record[3:7]
 
     @cute.jit
-    def sample_record(self, acc, record, top_left, corner):
-        """acc += the sample of a record (setup's, possibly another thread's)."""
+    def fetch_record(self, record, top_left, corner):
+        """The loads of a record's sample (setup's, possibly another thread's), issued: (a, weights,
+        corners) for accumulate."""
         first = top_left(record[0])
         mask = record[1]
         corners = []
         for dy in cutlass.range_constexpr(2):
             for dx in cutlass.range_constexpr(2):
                 corners.append(corner(first, dy, dx, (mask & (1 << (2 * dy + dx))) != 0))
-        self.accumulate(acc, record[2], self.record_weights(record), corners)
+        return record[2], self.record_weights(record), corners
 
     @cute.jit
-    def sample(self, acc, w, h, a, H, W, top_left, corner):
-        """acc += one sample. top_left(pixel index) gives the first corner's location, corner(first,
-        dy, dx, in_level) loads one corner (zeros where not in_level)."""
+    def fetch(self, w, h, a, H, W, top_left, corner):
+        """The loads of one sample, issued: (a, weights, corners) for accumulate. top_left(pixel index)
+        gives the first corner's location, corner(first, dy, dx, in_level) loads one corner (zeros where
+        not in_level)."""
         inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
         rows, cols = self.inside_corners(x0, y0, H, W)
         first = top_left(y0 * W + x0)
@@ -136,7 +138,7 @@ class Bilinear:
                 corners.append(corner(first, dy, dx, rows[dy] & cols[dx]))
         # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
         a = cutlass.select_(inside, a, cutlass.Float32(0.0))
-        self.accumulate(acc, a, self.weights(lw, lh), corners)
+        return a, self.weights(lw, lh), corners
 
 
 def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, zero_pixel: int):
