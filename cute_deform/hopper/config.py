@@ -94,6 +94,9 @@ class KernelConfig(ProblemConfig):
                              "and needs fine_gather='ldg'")
         if self.threads > 1024:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
+        if self.smem_bytes > SMEM_PER_SM:
+            raise ValueError(f"cute_deform: this configuration needs {self.smem_bytes} bytes of shared memory; "
+                             f"an SM has {SMEM_PER_SM}")
 
     # --- sizes of a tile -------------------------------------------------------------------------
     @property
