@@ -95,9 +95,11 @@ class Shape:
     def samples(self) -> int:
         return self.N * self.Lq * self.M * self.L * self.P
 
-    def floor_bytes(self, value_bytes: int) -> int:
-        """Each input read once and the output written once: value, fp32 locations and weights, output."""
-        value = self.N * self.S * self.M * self.D * value_bytes
+    def floor_bytes(self, value_bytes: int, value_rows: int | None = None) -> int:
+        """Each input read once and the output written once: value (the value_rows (image, pixel, head)
+        rows that some sample's corner reads, or all of them), fp32 locations and weights, output."""
+        rows = self.N * self.S * self.M if value_rows is None else value_rows
+        value = rows * self.D * value_bytes
         locations = self.samples * 2 * 4
         weights = self.samples * 4
         out = self.N * self.Lq * self.M * self.D * value_bytes
@@ -234,6 +236,36 @@ def make_inputs(shape: Shape, dtype: torch.dtype, generator: torch.Generator, de
         attn = torch.gather(attn, 1, pick.expand_as(attn))
         logits = torch.gather(logits, 1, pick.expand_as(logits))
     return (value, spatial_shapes, level_start_index, loc.contiguous(), attn.contiguous()), logits.contiguous()
+
+
+def touched_value_rows(shape: Shape, loc: torch.Tensor) -> int:
+    """How many (image, pixel, head) rows of value some in-level corner of some sample reads, by the
+    original kernel's rule (a sample counts where -1 < h < H and -1 < w < W, in fp32). Where locations are
+    sparse (decoders) this is far below the whole value: the DRAM floor counts only these rows."""
+    N, Lq, M, L, P, _ = loc.shape
+    heads = torch.arange(M, device=loc.device).view(1, M, 1)
+    touched = 0
+    start = 0
+    starts = []
+    for H, W in shape.levels:
+        starts.append(start)
+        start += H * W
+    for n in range(N):
+        mask = torch.zeros(shape.S * M, dtype=torch.bool, device=loc.device)
+        for level, (H, W) in enumerate(shape.levels):
+            w = loc[n, :, :, level, :, 0].float() * W - 0.5
+            h = loc[n, :, :, level, :, 1].float() * H - 0.5
+            inside = (h > -1) & (h < H) & (w > -1) & (w < W)
+            x0 = torch.floor(w).nan_to_num(-2).clamp(-2, W).long()
+            y0 = torch.floor(h).nan_to_num(-2).clamp(-2, H).long()
+            for dy in (0, 1):
+                for dx in (0, 1):
+                    x, y = x0 + dx, y0 + dy
+                    ok = inside & (x >= 0) & (x < W) & (y >= 0) & (y < H)
+                    row = (starts[level] + y * W + x) * M + heads
+                    mask[row[ok]] = True
+        touched += int(mask.sum())
+    return touched
 
 
 def copy_bandwidth() -> float:
@@ -430,8 +462,10 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
                                             attn[:n_check])
         ref_note += f"; vs grid_sample float64: {baselines.relative_error(alt, ref):.2e}"
         del alt
+    value_rows = touched_value_rows(shape, loc)
     torch.cuda.synchronize()
-    print(f"[{shape.name}] seed {seed}; {ref_note}", flush=True)
+    print(f"[{shape.name}] seed {seed}; {ref_note}; value rows read: {value_rows / (shape.N * shape.S * shape.M):.1%}",
+          flush=True)
 
     bound, skipped = bind_impls(names, ext, ext_error, inputs, shape, args, logits, args.dcnv4)
     rows = []
@@ -464,7 +498,7 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
                 if not args.no_time:
                     row.us = time_impl(impl, args)
                     row.gsamples = shape.samples / row.us * 1e-3
-                    floor_bytes = shape.floor_bytes(value_bytes)
+                    floor_bytes = shape.floor_bytes(value_bytes, value_rows)
                     row.tbs = floor_bytes / row.us * 1e-6
                     row.floor_us = floor_bytes / copy_bw * 1e6
         except Hang as exc:
@@ -508,7 +542,8 @@ def print_table(rows: list[Row], header: str):
         print("notes:")
         print("\n".join(notes))
     print(header)
-    print("TB/s: DRAM-floor bytes (value + fp32 locations + weights read once, output written once) / time; "
+    print("TB/s: DRAM-floor bytes (the value rows some corner reads + fp32 locations + weights read once, output "
+          "written once) / time; "
           "floor µs: those bytes / copy bandwidth; x classic: speedup over classic at the same value dtype; "
           "x cl-fp32: over classic on fp32 value; x dcnv4: over DCNv4 in this run")
     print(line(cols))

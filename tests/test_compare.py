@@ -1,0 +1,39 @@
+"""scripts/compare.py's DRAM floor: only the value rows some sample's corner reads count."""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import compare  # noqa: E402
+
+
+def _one_level(points_xy):
+    """One image, one 4x6 level (H=4, W=6), two heads, one query, P points at the given (x, y)."""
+    shape = compare.Shape("t", N=1, Lq=1, levels=[(4, 6)], P=len(points_xy), M=2, D=8, locations="uniform")
+    loc = torch.zeros(1, 1, 2, 1, shape.P, 2)
+    loc[0, 0, 0, 0] = torch.tensor(points_xy)  # head 0 samples these; head 1 samples far outside
+    loc[0, 0, 1, 0] = 5.0
+    return shape, loc
+
+
+def test_touched_rows_follow_the_corner_rule():
+    # x = w + 0.5 pixels: w = 1.25, h = 1.5 -> corners (1..2, 1..2) all in the level: 4 rows of head 0.
+    shape, loc = _one_level([[1.75 / 6, 2.0 / 4]])
+    assert compare.touched_value_rows(shape, loc) == 4
+    # w = -0.5 (inside: > -1) -> only column 0 is in the level; h = 2.5 -> rows 2 and 3: 2 rows.
+    shape, loc = _one_level([[0.0, 3.0 / 4]])
+    assert compare.touched_value_rows(shape, loc) == 2
+    # The same footprint twice, a NaN and a point past the edge (w = 5.5 > W - 1: column 5 only) -> 4 + 2.
+    shape, loc = _one_level([[1.75 / 6, 2.0 / 4], [1.75 / 6, 2.0 / 4], [float("nan"), 0.5], [1.0, 2.0 / 4]])
+    assert compare.touched_value_rows(shape, loc) == 6
+    assert shape.floor_bytes(2, 6) == shape.floor_bytes(2) - (1 * 24 * 2 - 6) * 8 * 2
+
+
+def test_uniform_decoder_reads_a_third_of_its_value():
+    shape = compare.selected_shapes(compare.parse_args(["--presets", "decoder-b16"]))[0]
+    shape.N = 2  # the fraction does not depend on the batch
+    (_, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, torch.Generator().manual_seed(0), device="cpu")
+    fraction = compare.touched_value_rows(shape, loc) / (shape.N * shape.S * shape.M)
+    # Level 0 (16,700 pixels) gets 300 queries x 4 points x 4 corners per head: a quarter of its rows.
+    assert 0.33 < fraction < 0.42
