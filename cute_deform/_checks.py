@@ -17,6 +17,14 @@ OP_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REFERENCE_FLOAT_DTYPES = (torch.float64,) + OP_FLOAT_DTYPES
 INDEX_DTYPE = torch.int64
 
+# The backward's refusals, raised from Python or from the C++ launcher (which gets them at load time).
+FORWARD_ONLY = (
+    "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot flow "
+    "through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
+    "torch.inference_mode(), or detach its inputs."
+)
+FUSED_FORWARD_ONLY = "cute_deform.forward_fused is forward only: there is no backward through it (no autograd formula)"
+
 OP_NAMES = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
 # Argument names of Deformable DETR's MSDeformAttnFunction.apply, used by the drop-in function.
 DROP_IN_NAMES = (

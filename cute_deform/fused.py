@@ -30,7 +30,7 @@ import torch
 
 from . import native
 from . import op as _op
-from ._checks import FUSED_NAMES, _check_tensor, validate_fused
+from ._checks import FUSED_FORWARD_ONLY, FUSED_NAMES, _check_tensor, validate_fused
 from .reference import fused_sampling_inputs, ms_deform_attn_reference
 
 SCHEMA = (
@@ -120,9 +120,7 @@ def _forward_fused_fake(value, spatial_shapes, level_start_index, reference_poin
 
 
 def _refuse_backward(ctx, grad):
-    raise RuntimeError(
-        "cute_deform.forward_fused is forward only: there is no backward through it (no autograd formula)"
-    )
+    raise RuntimeError(FUSED_FORWARD_ONLY)
 
 
 _lib.impl("forward_fused", _forward_fused_cpu, "CPU")

@@ -96,6 +96,9 @@ def load() -> bool:
         warnings.warn(f"cute_deform: the C++ launcher is unavailable ({_error}); the op launches from Python.",
                       NativeLauncherWarning, stacklevel=2)
         return False
+    from ._checks import FORWARD_ONLY, FUSED_FORWARD_ONLY
+
+    torch.ops.cute_deform._native_set_messages(FORWARD_ONLY, FUSED_FORWARD_ONLY)
     LOADED = True
     return True
 

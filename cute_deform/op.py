@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from . import cpu, native
-from ._checks import OP_NAMES, validate
+from ._checks import FORWARD_ONLY, OP_NAMES, validate
 from .reference import ms_deform_attn_grid_sample
 
 SCHEMA = (
@@ -155,11 +155,7 @@ def _forward_other_device(value, spatial_shapes, level_start_index, sampling_loc
 
 
 def _backward(ctx, grad_output):
-    raise RuntimeError(
-        "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot "
-        "flow through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
-        "torch.inference_mode(), or detach its inputs."
-    )
+    raise RuntimeError(FORWARD_ONLY)
 
 
 _lib.impl("forward", _forward_cpu, "CPU")

@@ -45,9 +45,20 @@ def test_launcher_holds_the_cuda_and_autograd_kernels(built):
         try:
             out.sum().backward()
         except RuntimeError as exc:
-            assert "forward only" in str(exc), exc
+            # C++ raises Python's message (cute_deform/_checks.py), handed over when the launcher loaded.
+            from cute_deform._checks import FORWARD_ONLY, FUSED_FORWARD_ONLY
+            assert FORWARD_ONLY in str(exc), exc
         else:
             raise AssertionError("backward did not raise")
+        ref = torch.rand(1, 3, 1, 2)
+        fused_out = torch.ops.cute_deform.forward_fused(value, shapes, starts, ref, torch.randn(1, 3, 2, 1, 2, 2),
+                                                        torch.randn(1, 3, 2, 1, 2))
+        try:
+            fused_out.sum().backward()
+        except RuntimeError as exc:
+            assert FUSED_FORWARD_ONLY in str(exc), exc
+        else:
+            raise AssertionError("the fused backward did not raise")
         with torch.no_grad():
             assert torch.ops.cute_deform.forward(value, shapes, starts, loc, attn).grad_fn is None
         print("ok")

@@ -8,6 +8,9 @@
 //
 // Built and loaded by cute_deform/native.py (torch.utils.cpp_extension); the op schemas stay in Python.
 
+#include <string>
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
@@ -323,15 +326,20 @@ bool try_launch(const at::Tensor& value, const at::Tensor& shapes, const at::Ten
 // ---------------------------------------------------------------------------------------------------
 // The op's kernels
 // ---------------------------------------------------------------------------------------------------
-// What differs between the two ops besides their arguments: names, signature and the backward's message
-// (the Python registration's).
+// The backward's refusals: Python's (cute_deform/_checks.py), handed over when the launcher loads.
+std::string forward_only_message = "cute_deform.forward is forward only";
+std::string fused_forward_only_message = "cute_deform.forward_fused is forward only";
+
+void native_set_messages(std::string forward, std::string forward_fused) {
+  forward_only_message = std::move(forward);
+  fused_forward_only_message = std::move(forward_fused);
+}
+
+// What differs between the two ops besides their arguments: names, signature and the backward's message.
 struct Forward {
   static constexpr const char* name = "cute_deform::forward";
   static constexpr const char* python = "cute_deform::_forward_python";
-  static constexpr const char* forward_only =
-      "cute_deform.forward is forward only: it has no backward (autograd formula), so gradients cannot flow "
-      "through it to value, sampling_locations or attention_weights. Call it under torch.no_grad() or "
-      "torch.inference_mode(), or detach its inputs.";
+  static const std::string& forward_only() { return forward_only_message; }
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, int64_t);
 };
@@ -339,8 +347,7 @@ struct Forward {
 struct ForwardFused {
   static constexpr const char* name = "cute_deform::forward_fused";
   static constexpr const char* python = "cute_deform::_forward_fused_python";
-  static constexpr const char* forward_only =
-      "cute_deform.forward_fused is forward only: there is no backward through it (no autograd formula)";
+  static const std::string& forward_only() { return fused_forward_only_message; }
   using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, const at::Tensor&);
 };
@@ -396,7 +403,7 @@ struct ForwardOnly : public torch::autograd::Function<ForwardOnly<Op>> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
                                                  torch::autograd::variable_list) {
-    TORCH_CHECK(false, Op::forward_only);
+    TORCH_CHECK(false, Op::forward_only());
   }
 };
 
@@ -432,6 +439,7 @@ TORCH_LIBRARY_FRAGMENT(cute_deform, m) {
       "int generic, int grid, int rounds, int whole, Tensor order, Tensor maps) -> ()",
       &cute_deform::native_register);
   m.def("_native_clear() -> ()", &cute_deform::native_clear);
+  m.def("_native_set_messages(str forward, str forward_fused) -> ()", &cute_deform::native_set_messages);
   m.def("_native_entries() -> int", &cute_deform::native_entries);
 }
 
