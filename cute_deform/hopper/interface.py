@@ -210,20 +210,33 @@ def _compile_into_cache(cfg) -> str:
 
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
-    gather order, one producer warp and batched gathers where ranges are whole segments, to single CTAs with one producer
-    warp (_single_cta's groups and setup) where one round of long ranges runs, and to the order table for
-    large problems. (Rarer combinations compile when first met.)"""
+    gather order, one producer warp and batched gathers where ranges are whole segments, to single CTAs with
+    one producer warp (_single_cta's groups and setup) where one round of long ranges runs, and to the order
+    table (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
+
+    def batch(whole: bool, permuted: bool) -> int:  # a batch the caller chose stays
+        return _launch_gather_batch(cfg, whole, permuted) if cfg.gather_batch == 1 else cfg.gather_batch
+
     out = [cfg]
-    batched = cfg.packed_math and not cfg.fused and cfg.gather_batch == 1
     if not cfg.l1_first:
-        out.append(dataclasses.replace(cfg, l1_first=True, producers=1, **(dict(gather_batch=4) if batched else {})))
+        out.append(dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=batch(True, cfg.permuted)))
     if cfg.cluster_size > 1:
         out.append(dataclasses.replace(cfg, cluster_size=1, **_single_cta(cfg)))
     if not cfg.permuted:
-        out.append(dataclasses.replace(cfg, permuted=True, **(dict(gather_batch=2) if batched else {})))
+        out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
     return out
+
+
+def _launch_gather_batch(cfg, whole: bool, permuted: bool) -> int:
+    """The samples whose loads a thread issues before it sums any (KernelConfig.gather_batch) that a launch
+    of fp16/bf16 value, unfused, takes (H100, session 10): four for whole segments (65.0 / 61.2 / 62.4
+    against 68.7 / 64.9 / 64.1 us on detr-decoder / -ref / decoder-b16), two through the order table (4072
+    against 4202 us on seed-b48); one elsewhere, where it lost or tied."""
+    if not cfg.packed_math or cfg.fused or cfg.fine_gather != "ldg":
+        return 1
+    return 4 if whole else 2 if permuted else 1
 
 
 LAUNCH_KNOBS = ("window_fraction", "reorder_queries")
@@ -464,14 +477,9 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         changes["l1_first"] = True
         if shared_producer and "producers" not in fixed:
             changes["producers"] = 1
-    if cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and "gather_batch" not in fixed:
-        # Loads of several samples issued before any is summed (H100, session 10): whole segments 65.0 /
-        # 61.2 / 62.4 against 68.7 / 64.9 / 64.1 us with four (detr-decoder / -ref / decoder-b16); through
-        # the order table 4072 against 4202 us with two (seed-b48). Elsewhere it lost or tied.
-        if schedule.whole:
-            changes["gather_batch"] = 4
-        elif permuted:
-            changes["gather_batch"] = 2
+    batch = _launch_gather_batch(cfg, schedule.whole, permuted)
+    if batch > 1 and "gather_batch" not in fixed:
+        changes["gather_batch"] = batch
     return changes, grid, schedule
 
 
