@@ -8,9 +8,6 @@
 //
 // Built and loaded by cute_deform/native.py (torch.utils.cpp_extension); the op schemas stay in Python.
 
-#include <string>
-#include <utility>
-
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
@@ -28,6 +25,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace cute_deform {
