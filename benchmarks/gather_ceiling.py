@@ -16,7 +16,10 @@ is checked against a torch reference before it is timed.
              grows with the number of issuing warps per SM.
 
 Patterns: 'local' (encoder-like: query q sits on pixel q of the levels' concatenated raster (mod S), each sample a
-gaussian (sigma 2 px of that level) around the query's reference point) and 'uniform' (uniform in [0,1]^2).
+gaussian (sigma 2 px of that level) around the query's reference point), 'uniform' (uniform in [0,1]^2), and
+'preset': the very locations scripts/compare.py generates for a preset of its own (any of its names, e.g.
+detr-encoder-init or seed-b48-shuffled, in their order), with samples outside their level skipped as the
+original kernel skips them. The DRAM floor counts only the value rows that some corner reads.
 Samples are visited in (n, q, m, l, p) order. Sample corner coordinates are precomputed as packed int16 pairs
 (4 B per sample; a real kernel reads 8 B of fp32 location + 4 B of weight per sample instead).
 
@@ -32,6 +35,7 @@ Result, NVIDIA H200, 2026-11-21 (Gsamples/s of the best configuration; copy band
   1-2 CTAs per SM because of the ~80 KB of staged levels): a lower bound for that design, not its ceiling.
 
 Run on the GPU machine:  cd benchmarks && python3 gather_ceiling.py      (needs torch, triton, nvcc)
+    python3 gather_ceiling.py --patterns preset --methods ldg --presets dcnv4-test,detr-encoder-init,seed-b48
 Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the torch side only, tiny sizes)
 """
 import argparse
@@ -46,6 +50,7 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 SRC = os.path.join(HERE, "gather_ceiling.cu")
 BUILD_DIR = os.environ.get("GC_BUILD_DIR", "/tmp/gather_ceiling_build")
 M, D, L = 8, 32, 4
@@ -134,6 +139,35 @@ def make_coords(pattern, N, Lq, P, levels, gen, dev):
     return out.reshape(-1)
 
 
+def coords_from_locations(loc, levels):
+    """make_coords' packing of real fp32 locations (N, Lq, M, L, P, 2): a sample outside its level (the
+    original kernel's rule, NaN included) gets the corner (-2, -2), none of whose corners lie in the level."""
+    out = torch.empty(loc.shape[:-1], dtype=torch.int32, device=loc.device)
+    for l, (H, W) in enumerate(levels):
+        w = loc[:, :, :, l, :, 0].float() * W - 0.5
+        h = loc[:, :, :, l, :, 1].float() * H - 0.5
+        inside = (h > -1) & (h < H) & (w > -1) & (w < W)
+        x0 = torch.where(inside, torch.floor(w).nan_to_num(0), -2).to(torch.int32)
+        y0 = torch.where(inside, torch.floor(h).nan_to_num(0), -2).to(torch.int32)
+        out[:, :, :, l, :] = (y0 * 65536) | (x0 & 0xFFFF)
+    return out.reshape(-1)
+
+
+def preset_inputs(name, gen, dev, small=False):
+    """compare.py's value and locations for one of its presets, as coords, and the preset's geometry
+    (small: its first image and at most 500 queries)."""
+    import dataclasses
+
+    import compare
+
+    shape = compare.selected_shapes(compare.parse_args(["--presets", name]))[0]
+    if small:
+        shape = dataclasses.replace(shape, N=1, Lq=min(shape.Lq, 500))
+    assert (shape.M, shape.D, shape.L) == (M, D, L), f"{name}: gather_ceiling.cu takes M={M}, D={D}, L={L}"
+    (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, gen, device=dev)
+    return value, coords_from_locations(loc, shape.levels), (shape.N, shape.Lq, shape.levels, shape.P)
+
+
 def xor_all(t):
     t = t.reshape(-1)
     if t.numel() == 0:
@@ -149,7 +183,8 @@ def xor_all(t):
 
 
 def reference_xor(value, coords, N, Lq, P, levels):
-    """XOR of every word every sample loads = XOR of the (pixel, head) rows loaded an odd number of times."""
+    """(XOR of every word every sample loads = XOR of the (pixel, head) rows loaded an odd number of times,
+    how many (image, pixel, head) rows some corner loads)."""
     starts, S = level_info(levels)
     dev = value.device
     vi = value.view(torch.int32).reshape(-1, D // 2)  # rows (n, s, m), 16 words each
@@ -170,7 +205,7 @@ def reference_xor(value, coords, N, Lq, P, levels):
                     ok = (y >= 0) & (y < H) & (x >= 0) & (x < W)
                     row = ((n_idx * S + starts[l] + y * W + x) * M + m_idx)[ok]
                     cnt.index_add_(0, row, torch.ones(row.numel(), dtype=torch.int32, device=dev))
-    return xor_all(vi[(cnt & 1).bool()])
+    return xor_all(vi[(cnt & 1).bool()]), int((cnt > 0).sum())
 
 
 # ------------------------------------------------------------------------------------------------ configs
@@ -233,18 +268,29 @@ def main():
     presets = args.presets.split(",")
     which = args.methods.split(",")
     patterns = args.patterns.split(",")
+    for pat in patterns:
+        if pat not in ("local", "uniform", "preset"):
+            sys.exit(f"unknown pattern {pat!r}; choose from local, uniform, preset")
+    for name in presets:
+        if name not in PRESETS and "preset" not in patterns:
+            sys.exit(f"unknown preset {name!r}: {', '.join(PRESETS)} (and, with --patterns preset, compare.py's)")
 
     if args.dry:
         dev = torch.device("cpu")
         gen = torch.Generator(device=dev).manual_seed(1)
         for name in presets:
-            N, Lq, levels, P = PRESETS[name]
-            N, Lq = 1, min(Lq, 500)
-            starts, S = level_info(levels)
-            value = torch.randn(N, S, M, D, dtype=torch.float16)
             for pat in patterns:
-                c = make_coords(pat, N, Lq, P, levels, gen, dev)
-                ref = reference_xor(value, c, N, Lq, P, levels)
+                if pat != "preset" and name not in PRESETS:
+                    continue  # compare.py's preset: its own locations only
+                if pat == "preset":
+                    value, c, (N, Lq, levels, P) = preset_inputs(name, gen, dev, small=True)
+                else:
+                    N, Lq, levels, P = PRESETS[name]
+                    N, Lq = 1, min(Lq, 500)
+                    value = torch.randn(N, level_info(levels)[1], M, D, dtype=torch.float16)
+                    c = make_coords(pat, N, Lq, P, levels, gen, dev)
+                starts, S = level_info(levels)
+                ref, _ = reference_xor(value, c, N, Lq, P, levels)
                 # brute-force check of the reference on the CPU
                 vi = value.view(torch.int32).reshape(N, S, M, D // 2)
                 c5 = c.view(N, Lq, M, L, P)
@@ -303,21 +349,28 @@ def main():
     out_buf = torch.empty(1 << 20, dtype=torch.int32, device=dev)  # one XOR word per warp
     try:
         for name in presets:
-            N, Lq, levels, P = PRESETS[name]
-            starts, S = level_info(levels)
-            nsamp = N * Lq * M * L * P
-            value = torch.randn(N, S, M, D, dtype=torch.float16, device=dev, generator=gen)
-            vbytes = value.numel() * 2
-            floor_bytes = vbytes + nsamp * (8 + 4) + N * Lq * M * D * 2
-            floors[name] = (floor_bytes, floor_bytes / copy_bw * 1e6, vbytes, nsamp)
-            geom = (ctypes.c_int * 16)(N, Lq, M, S, *[h for h, _ in levels], *[w for _, w in levels], *starts)
-            maps = ctypes.create_string_buffer(L * 128)
-            maps_p = ctypes.cast(maps, ctypes.c_void_p)
-            check(lib, lib.gc_encode_maps(maps_p, ctypes.c_void_p(value.data_ptr()), geom), "encode maps")
-            staged_px = sum(h * w for h, w in levels[L - 2:])
             for pat in patterns:
-                coords = make_coords(pat, N, Lq, P, levels, gen, dev)
-                ref = reference_xor(value, coords, N, Lq, P, levels)
+                if pat != "preset" and name not in PRESETS:
+                    continue  # compare.py's preset: its own locations only
+                if pat == "preset":
+                    value, coords, (N, Lq, levels, P) = preset_inputs(name, gen, dev)
+                else:
+                    N, Lq, levels, P = PRESETS[name]
+                    value = torch.randn(N, level_info(levels)[1], M, D, dtype=torch.float16, device=dev,
+                                        generator=gen)
+                    coords = make_coords(pat, N, Lq, P, levels, gen, dev)
+                starts, S = level_info(levels)
+                nsamp = N * Lq * M * L * P
+                ref, touched = reference_xor(value, coords, N, Lq, P, levels)
+                # The floor: the value rows some corner reads, locations and weights (fp32), the output.
+                vbytes = touched * D * 2
+                floor_bytes = vbytes + nsamp * (8 + 4) + N * Lq * M * D * 2
+                floors[(name, pat)] = (floor_bytes, floor_bytes / copy_bw * 1e6, vbytes, nsamp)
+                geom = (ctypes.c_int * 16)(N, Lq, M, S, *[h for h, _ in levels], *[w for _, w in levels], *starts)
+                maps = ctypes.create_string_buffer(L * 128)
+                maps_p = ctypes.cast(maps, ctypes.c_void_p)
+                check(lib, lib.gc_encode_maps(maps_p, ctypes.c_void_p(value.data_ptr()), geom), "encode maps")
+                staged_px = sum(h * w for h, w in levels[L - 2:])
                 vp, cp = ctypes.c_void_p(value.data_ptr()), ctypes.c_void_p(coords.data_ptr())
                 obuf = ctypes.c_void_p(out_buf.data_ptr())
 
@@ -353,7 +406,7 @@ def main():
                     ms = tt.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
                     check(lib, lib.gc_last_error(), f"{meth} after timing")
                     us = ms * 1e3
-                    logp(f"{name:13s} {pat:8s} {meth:10s} {us:9.1f} us {nsamp / us / 1e3:6.1f} Gs/s  {c['desc']}")
+                    logp(f"{name:17s} {pat:8s} {meth:10s} {us:9.1f} us {nsamp / us / 1e3:6.1f} Gs/s  {c['desc']}")
                     if meth not in best or us < best[meth][0]:
                         best[meth] = (us, c["desc"])
                 line = []
@@ -363,16 +416,14 @@ def main():
                     if meth in best:
                         us, desc = best[meth]
                         rows.append((name, pat, meth, us, nsamp / us / 1e3, nsamp * BOX_BYTES / us / 1e6,
-                                     us / floors[name][1], desc))
+                                     us / floors[(name, pat)][1], desc))
                         line.append(f"{meth} {us:.1f} us")
                     else:
                         rows.append((name, pat, meth, float("nan"), float("nan"), float("nan"), float("nan"),
                                      "no config passed"))
                 print(f"{name} {pat}: ref xor {ref:08x}; " + ", ".join(line), flush=True)
-                del coords
+                del coords, value
                 torch.cuda.empty_cache()
-            del value
-            torch.cuda.empty_cache()
     except Exception as e:  # print what we have, exit 1 at the end
         failed = True
         print("ERROR:", repr(e)[:500])
@@ -381,29 +432,28 @@ def main():
     by = {(r[0], r[1], r[2]): r[3] for r in rows}
     print()
     print("speed ratios (time of TMA / time of LDG; > 1 means LDG is faster):")
-    for name in floors:
-        for pat in patterns:
-            t_ldg, t_tma, t_st = (by.get((name, pat, m)) for m in ("LDG", "TMA", "TMA+stage2"))
-            if t_ldg and t_tma:
-                s = f"  {name:13s} {pat:8s} TMA/LDG {t_tma / t_ldg:5.2f}"
-                if t_st:
-                    s += f"   TMA+stage2/LDG {t_st / t_ldg:5.2f}"
-                print(s)
+    for name, pat in floors:
+        t_ldg, t_tma, t_st = (by.get((name, pat, m)) for m in ("LDG", "TMA", "TMA+stage2"))
+        if t_ldg and t_tma:
+            s = f"  {name:17s} {pat:8s} TMA/LDG {t_tma / t_ldg:5.2f}"
+            if t_st:
+                s += f"   TMA+stage2/LDG {t_st / t_ldg:5.2f}"
+            print(s)
     print()
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s. DRAM floors (value fp16 + locations fp32 + attention weights "
-          f"fp32 read once, output fp16 written once, at the copy bandwidth):")
-    for name, (fb, fus, vb, ns) in floors.items():
-        print(f"  {name:13s} {ns / 1e6:7.2f} M samples  value {vb / 1e6:7.1f} MB  floor {fb / 1e6:8.1f} MB = "
-              f"{fus:8.1f} us")
+    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s. DRAM floors (the value rows some corner reads (fp16), "
+          f"locations and attention weights (fp32) read once, output fp16 written once, at the copy bandwidth):")
+    for (name, pat), (fb, fus, vb, ns) in floors.items():
+        print(f"  {name:17s} {pat:8s} {ns / 1e6:7.2f} M samples  value read {vb / 1e6:7.1f} MB  floor "
+              f"{fb / 1e6:8.1f} MB = {fus:8.1f} us")
     print()
     print(f"Gather ceiling on {torch.cuda.get_device_name()} (load-only; best configuration of each method; "
           f"TB/s = 256 B of box bytes per sample / time; x floor = time / DRAM floor)")
-    hdr = (f"{'preset':13s} {'pattern':8s} {'method':10s} {'us':>9s} {'Gsamp/s':>8s} {'TB/s':>6s} {'x floor':>7s}"
+    hdr = (f"{'preset':17s} {'pattern':8s} {'method':10s} {'us':>9s} {'Gsamp/s':>8s} {'TB/s':>6s} {'x floor':>7s}"
            f"  best config")
     print(hdr)
     print("-" * len(hdr))
     for name, pat, meth, us, gs, tbs, xf, desc in rows:
-        print(f"{name:13s} {pat:8s} {meth:10s} {us:9.1f} {gs:8.1f} {tbs:6.2f} {xf:7.1f}  {desc}")
+        print(f"{name:17s} {pat:8s} {meth:10s} {us:9.1f} {gs:8.1f} {tbs:6.2f} {xf:7.1f}  {desc}")
     if failed:
         sys.exit(1)
 

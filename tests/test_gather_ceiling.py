@@ -1,0 +1,56 @@
+"""benchmarks/gather_ceiling.py on the CPU: the load-only kernel's coordinates from compare.py's real
+locations, its XOR reference and its DRAM floor's row count."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare  # noqa: E402
+import gather_ceiling  # noqa: E402
+
+
+def _preset(name, N=1, Lq=300):
+    shape = compare.selected_shapes(compare.parse_args(["--presets", name]))[0]
+    return dataclasses.replace(shape, N=N, Lq=Lq)
+
+
+@pytest.mark.parametrize("name", ["detr-decoder-ref", "detr-encoder-init", "seed-b48-shuffled"])
+def test_touched_rows_match_compare(name):
+    """The rows the load-only kernel's corners read are the rows compare.py's floor counts, outside and
+    NaN samples included."""
+    shape = _preset(name, N=2)
+    (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, torch.Generator().manual_seed(3), device="cpu")
+    loc = loc.clone()
+    loc[0, :5, 0, 0, 0] = float("nan")
+    loc[1, :5, 1, 1, 1] = torch.tensor([1.3, -0.4])
+    coords = gather_ceiling.coords_from_locations(loc, shape.levels)
+    _, touched = gather_ceiling.reference_xor(value, coords, shape.N, shape.Lq, shape.P, shape.levels)
+    assert touched == compare.touched_value_rows(shape, loc)
+    assert 0 < touched < shape.N * shape.S * shape.M
+
+
+def test_outside_samples_load_nothing():
+    levels = [(4, 6)] * gather_ceiling.L
+    loc = torch.full((1, 1, gather_ceiling.M, gather_ceiling.L, 2, 2), 0.5)
+    loc[..., 1, :] = torch.tensor([-0.2, 0.5])  # w = -1.7 < -1: skipped
+    coords = gather_ceiling.coords_from_locations(loc, levels).view(1, 1, gather_ceiling.M, gather_ceiling.L, 2)
+    assert (coords[..., 1] == ((-2 << 16) | (-2 & 0xFFFF))).all()
+    x0 = ((coords[..., 0] & 0xFFFF) ^ 0x8000) - 0x8000
+    assert (x0 == 2).all() and (coords[..., 0] >> 16 == 1).all()  # w = 2.5, h = 1.5
+
+
+def test_dry_run_checks_its_reference():
+    """--dry compares the XOR reference with a brute-force gather for every pattern."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gather_ceiling.py"), "--dry", "--presets",
+                          "detr-decoder,detr-decoder-ref", "--patterns", "local,uniform,preset"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("dry ")]
+    assert len(lines) == 4, out.stdout  # detr-decoder-ref is compare.py's only: the preset pattern alone
+    assert all(" OK;" in line for line in lines), out.stdout
