@@ -245,6 +245,39 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         assert schedule.rounds > 1
 
 
+def _wavefronts(addresses, width):
+    """Shared-memory wavefronts of one warp's loads of `width` bytes at these byte addresses: the largest
+    number of distinct 4-byte words any bank serves (same-word reads broadcast), over the phases a load
+    of that width takes (a quarter warp for 16 bytes, a half for 8, the whole warp for 4)."""
+    phase = {16: 8, 8: 16, 4: 32}[width]
+    total = 0
+    for start in range(0, len(addresses), phase):
+        banks = {}
+        for a in addresses[start:start + phase]:
+            for word in range(a // 4, (a + width) // 4):
+                banks.setdefault(word % 32, set()).add(word)
+        total += max(len(words) for words in banks.values())
+    return total
+
+
+def test_rows_copied_through_the_order_table_spread_over_the_banks():
+    """Through the order table each ring row is copied on its own, with a gap of what a query's four
+    threads read at once: thread c of each of a warp's eight queries reads its point c's location
+    (8 bytes) and weight (4 bytes) of a level in the fewest wavefronts (2 and 1); with rows of 256 and 128
+    bytes back to back all eight queries hit the same banks (8 each). Its shared memory leaves L1 60 KB."""
+    from cute_deform.hopper.config import SMEM_KEEPING_L1
+
+    cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
+    seed = dataclasses.replace(cfg, **launch_of(cfg, 48, 15422, 19560)[0])
+    assert seed.permuted and seed.smem_bytes <= SMEM_KEEPING_L1 and seed.stage_pixels >= 240 + 920
+    dense = dataclasses.replace(seed, permuted=False)
+    for level in range(4):
+        for row_cfg, want in ((seed, (2, 1)), (dense, (8, 8))):
+            loc = [4 * (q * row_cfg.loc_row_elems + 2 * (level * 8 + c)) for q in range(8) for c in range(4)]
+            attn = [4 * (q * row_cfg.attn_row_elems + level * 8 + c) for q in range(8) for c in range(4)]
+            assert (_wavefronts(loc, 8), _wavefronts(attn, 4)) == want
+
+
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)

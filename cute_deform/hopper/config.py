@@ -14,6 +14,9 @@ TENSORMAP_BYTES = 128
 MAX_LEVELS = 5  # the tiled kernel unrolls levels; more go to the generic kernel
 MAX_POINTS = 16
 SMEM_PER_SM = 227 * 1024
+# The most shared memory a CTA takes with L1 left 60 KB: the next carveout (228 KB) leaves L1 28 KB, and
+# its gathers then miss (seed-b48: 4952 against 3975 us, H100).
+SMEM_KEEPING_L1 = 195 * 1024
 AUTO_RING_BYTES = 120 * 1024  # the input rings of all groups together, at most (leaves room for staging)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -135,17 +138,35 @@ class KernelConfig(ProblemConfig):
         return (self.level_points * 2 * ITEMSIZE[self.loc_dtype] % 16 == 0
                 and self.level_points * ITEMSIZE[self.attn_dtype] % 16 == 0)
 
-    def _stage_elems(self, per_query: int, dtype: str) -> int:
-        """Elements of one stage of an input ring: G rows of per_query, padded to 128 bytes."""
-        return round_up(self.queries_per_tile * per_query * ITEMSIZE[dtype], 128) // ITEMSIZE[dtype]
+    def _stage_elems(self, row_elems: int, dtype: str) -> int:
+        """Elements of one stage of an input ring: G rows of row_elems, padded to 128 bytes."""
+        return round_up(self.queries_per_tile * row_elems * ITEMSIZE[dtype], 128) // ITEMSIZE[dtype]
+
+    def _row_elems(self, per_query: int, per_point: int, dtype: str) -> int:
+        """Elements from one query's row to the next in a ring stage. Rows copied one by one (through the
+        order table) leave a gap of what the threads of a query read of a row at once (their points'
+        per_point elements each; at least 16 bytes): with rows of a multiple of 128 bytes back to back,
+        the queries of a warp reading the same place of their rows would all hit the same banks."""
+        if not self.permuted:
+            return per_query
+        readers = self.threads_per_query if self.splits_setup else 1
+        return per_query + round_up(per_point * ITEMSIZE[dtype] * readers, 16) // ITEMSIZE[dtype]
+
+    @property
+    def loc_row_elems(self) -> int:
+        return self._row_elems(2 * self.level_points, 2, self.loc_dtype)
+
+    @property
+    def attn_row_elems(self) -> int:
+        return self._row_elems(self.level_points, 1, self.attn_dtype)
 
     @property
     def loc_stage_elems(self) -> int:
-        return self._stage_elems(2 * self.level_points, self.loc_dtype)
+        return self._stage_elems(self.loc_row_elems, self.loc_dtype)
 
     @property
     def attn_stage_elems(self) -> int:
-        return self._stage_elems(self.level_points, self.attn_dtype)
+        return self._stage_elems(self.attn_row_elems, self.attn_dtype)
 
     @property
     def input_stage_bytes(self) -> int:
@@ -233,9 +254,11 @@ class KernelConfig(ProblemConfig):
     @property
     def stage_pixels(self) -> int:
         """Pixels of one head that the staging buffer holds, in whole staging boxes: stage_bytes, or
-        what shared memory has left after the rings (one pixel more is the zero pixel)."""
+        what shared memory has left after the rings; through the order table, of the shared memory that
+        keeps L1 60 KB (one pixel more is the zero pixel)."""
         pixel = self.head_dim * self.itemsize
-        budget = min(self.stage_bytes, SMEM_PER_SM - self._smem_without_staging - pixel)
+        most = SMEM_KEEPING_L1 if self.permuted else SMEM_PER_SM  # measured through the order table only
+        budget = min(self.stage_bytes, most - self._smem_without_staging - pixel)
         return max(0, budget) // pixel // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
 
     @property

@@ -350,8 +350,8 @@ class MSDAForward:
                 if slot < self.G:
                     query = cutlass.Int32(mOrder[n, cutlass.min(q0 + slot, Lq - 1)])
                     row = (cutlass.Int64(n) * Lq + query) * self.M + m
-                    self.copy_row(mLoc, loc_stage, row, slot, 2 * self.LP, full)
-                    self.copy_row(mAttn, attn_stage, row, slot, self.LP, full)
+                    self.copy_row(mLoc, loc_stage.iterator + slot * self.cfg.loc_row_elems, row, 2 * self.LP, full)
+                    self.copy_row(mAttn, attn_stage.iterator + slot * self.cfg.attn_row_elems, row, self.LP, full)
         else:
             block = q0 // self.G
             self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, block)
@@ -369,11 +369,10 @@ class MSDAForward:
         cute.copy(atom, tIg, tIs, tma_bar_ptr=full)
 
     @cute.jit
-    def copy_row(self, tensor, stage, row, slot, per_query: int, full):
-        """Row `row` of an (N*Lq*M, per_query) input into the stage at `slot`: one bulk copy."""
+    def copy_row(self, tensor, dst, row, per_query: int, full):
+        """Row `row` of an (N*Lq*M, per_query) input to dst in shared memory: one bulk copy."""
         src = row_pointer(tensor, row, per_query, 0, per_query)
-        prims.cp_async_bulk_shared_cluster_global(stage.iterator + slot * per_query, src, full,
-                                                  per_query * (tensor.element_type.width // 8))
+        prims.cp_async_bulk_shared_cluster_global(dst, src, full, per_query * (tensor.element_type.width // 8))
 
     @cute.jit
     def publish_box_maps(self, g, box_template, mValue, mDesc, storage, sizes, starts, bidx):
@@ -485,7 +484,8 @@ class MSDAForward:
                     source = ("global", mLoc, mAttn, row)
                     if cutlass.const_expr(self.prefetch):
                         input_rings.wait(input_state)
-                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot)
+                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index],
+                                  read_slot * self.cfg.loc_row_elems, read_slot * self.cfg.attn_row_elems)
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
