@@ -77,8 +77,8 @@ class QueryInputs:
     """One thread's view of its query's inputs for one head (read only, so the DSL's branches need not
     carry it).
 
-    source: ("smem", loc stage, weight stage, offset of the query's location row, offset of its weight row)
-    or ("global", mLoc, mAttn, row) where row is the
+    source: ("smem", loc stage, weight stage, slot, elements from one row of locations to the next, the
+    same for weights) or ("global", mLoc, mAttn, row) where row is the
     (image, query, head) row index; ref: (mRef, image * Lq + query) for the fused kernel, else None;
     softmax: fused, the logits' maximum (times log2 e) and the reciprocal of the sum of exponentials;
     lanes: None, or (chunk, T) where the T threads of a query split its points (thread `chunk` reads
@@ -110,8 +110,8 @@ class QueryInputs:
         """Attention input k of the row (a weight, or a logit when fused) as fp32; k may be a run-time
         index."""
         if self.source[0] == "smem":
-            _, _, sAttn, _, attn_row = self.source
-            a = cute.make_tensor(sAttn.iterator + attn_row + k, cute.make_layout(1)).load()
+            _, _, sAttn, slot, _, attn_row = self.source
+            a = cute.make_tensor(sAttn.iterator + slot * attn_row + k, cute.make_layout(1)).load()
             return a.to(cutlass.Float32)[0]
         _, _, mAttn, row = self.source
         return load_row(mAttn, row, self.LP, k, 1)[0]
@@ -119,8 +119,8 @@ class QueryInputs:
     def _raw_xy(self, k):
         """Location (or offset) k of the row as fp32; k may be a run-time index."""
         if self.source[0] == "smem":
-            _, sLoc, _, loc_row, _ = self.source
-            i = loc_row + k * 2
+            _, sLoc, _, slot, loc_row, _ = self.source
+            i = slot * loc_row + k * 2
             xy = cute.make_tensor(sLoc.iterator + i, cute.make_layout(2)).load().to(cutlass.Float32)
         else:
             _, mLoc, _, row = self.source

@@ -484,8 +484,8 @@ class MSDAForward:
                     source = ("global", mLoc, mAttn, row)
                     if cutlass.const_expr(self.prefetch):
                         input_rings.wait(input_state)
-                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index],
-                                  read_slot * self.cfg.loc_row_elems, read_slot * self.cfg.attn_row_elems)
+                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot,
+                                  self.cfg.loc_row_elems, self.cfg.attn_row_elems)
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
