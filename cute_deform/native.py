@@ -47,15 +47,14 @@ def wanted() -> bool:
 def build_directory() -> Path:
     import tvm_ffi
 
-    from ._cache import cache_dir
+    from ._cache import cache_dir, user_cache_dir
 
     # One directory per source too: launcher.so there is this source's build, or absent.
     source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     tag = (f"torch-{torch.__version__}-tvm_ffi-{tvm_ffi.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
            f"-{source}")
-    base = cache_dir()
-    if base is None:  # the kernel cache is off: a per-user build directory still avoids rebuilding
-        base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cute_deform"
+    # With the kernel cache off, a per-user build directory still avoids rebuilding.
+    base = cache_dir() or user_cache_dir()
     return base / "launcher" / tag.replace("+", "_")
 
 
