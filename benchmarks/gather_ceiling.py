@@ -40,6 +40,7 @@ Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the 
 """
 import argparse
 import ctypes
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -51,6 +52,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+import compare  # noqa: E402  (its presets' inputs, and the DRAM floor)
 SRC = os.path.join(HERE, "gather_ceiling.cu")
 BUILD_DIR = os.environ.get("GC_BUILD_DIR", "/tmp/gather_ceiling_build")
 M, D, L = 8, 32, 4
@@ -153,19 +155,24 @@ def coords_from_locations(loc, levels):
     return out.reshape(-1)
 
 
-def preset_inputs(name, gen, dev, small=False):
-    """compare.py's value and locations for one of its presets, as coords, and the preset's geometry
-    (small: its first image and at most 500 queries)."""
-    import dataclasses
-
-    import compare
-
-    shape = compare.selected_shapes(compare.parse_args(["--presets", name]))[0]
+def inputs_for(name, pattern, gen, dev, small=False):
+    """(value, coords, compare.Shape) of one preset and pattern, or None where the preset is compare.py's
+    only and the pattern is not 'preset'. small: the first image and at most 500 queries."""
+    if pattern == "preset":
+        shape = compare.selected_shapes(compare.parse_args(["--presets", name]))[0]
+    elif name in PRESETS:
+        N, Lq, levels, P = PRESETS[name]
+        shape = compare.Shape(name, N, Lq, levels, P, M, D, pattern)
+    else:
+        return None
     if small:
         shape = dataclasses.replace(shape, N=1, Lq=min(shape.Lq, 500))
-    assert (shape.M, shape.D, shape.L) == (M, D, L), f"{name}: gather_ceiling.cu takes M={M}, D={D}, L={L}"
-    (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, gen, device=dev)
-    return value, coords_from_locations(loc, shape.levels), (shape.N, shape.Lq, shape.levels, shape.P)
+    if pattern == "preset":
+        assert (shape.M, shape.D, shape.L) == (M, D, L), f"{name}: gather_ceiling.cu takes M={M}, D={D}, L={L}"
+        (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, gen, device=dev)
+        return value, coords_from_locations(loc, shape.levels), shape
+    value = torch.randn(shape.N, shape.S, M, D, dtype=torch.float16, device=dev, generator=gen)
+    return value, make_coords(pattern, shape.N, shape.Lq, shape.P, shape.levels, gen, dev), shape
 
 
 def xor_all(t):
@@ -280,15 +287,11 @@ def main():
         gen = torch.Generator(device=dev).manual_seed(1)
         for name in presets:
             for pat in patterns:
-                if pat != "preset" and name not in PRESETS:
-                    continue  # compare.py's preset: its own locations only
-                if pat == "preset":
-                    value, c, (N, Lq, levels, P) = preset_inputs(name, gen, dev, small=True)
-                else:
-                    N, Lq, levels, P = PRESETS[name]
-                    N, Lq = 1, min(Lq, 500)
-                    value = torch.randn(N, level_info(levels)[1], M, D, dtype=torch.float16)
-                    c = make_coords(pat, N, Lq, P, levels, gen, dev)
+                made = inputs_for(name, pat, gen, dev, small=True)
+                if made is None:
+                    continue
+                value, c, shape = made
+                N, Lq, levels, P = shape.N, shape.Lq, shape.levels, shape.P
                 starts, S = level_info(levels)
                 ref, _ = reference_xor(value, c, N, Lq, P, levels)
                 # brute-force check of the reference on the CPU
@@ -350,22 +353,16 @@ def main():
     try:
         for name in presets:
             for pat in patterns:
-                if pat != "preset" and name not in PRESETS:
-                    continue  # compare.py's preset: its own locations only
-                if pat == "preset":
-                    value, coords, (N, Lq, levels, P) = preset_inputs(name, gen, dev)
-                else:
-                    N, Lq, levels, P = PRESETS[name]
-                    value = torch.randn(N, level_info(levels)[1], M, D, dtype=torch.float16, device=dev,
-                                        generator=gen)
-                    coords = make_coords(pat, N, Lq, P, levels, gen, dev)
+                made = inputs_for(name, pat, gen, dev)
+                if made is None:
+                    continue
+                value, coords, shape = made
+                N, Lq, levels, P = shape.N, shape.Lq, shape.levels, shape.P
                 starts, S = level_info(levels)
-                nsamp = N * Lq * M * L * P
+                nsamp = shape.samples
                 ref, touched = reference_xor(value, coords, N, Lq, P, levels)
-                # The floor: the value rows some corner reads, locations and weights (fp32), the output.
-                vbytes = touched * D * 2
-                floor_bytes = vbytes + nsamp * (8 + 4) + N * Lq * M * D * 2
-                floors[(name, pat)] = (floor_bytes, floor_bytes / copy_bw * 1e6, vbytes, nsamp)
+                floor_bytes = shape.floor_bytes(2, touched)
+                floors[(name, pat)] = (floor_bytes, floor_bytes / copy_bw * 1e6, touched * D * 2, nsamp)
                 geom = (ctypes.c_int * 16)(N, Lq, M, S, *[h for h, _ in levels], *[w for _, w in levels], *starts)
                 maps = ctypes.create_string_buffer(L * 128)
                 maps_p = ctypes.cast(maps, ctypes.c_void_p)
