@@ -532,30 +532,32 @@ class MSDAForward:
     @cute.jit
     def gather_points(self, acc, inputs, level: int, H, W, top_left, corner, batch: int):
         """Every point of one level into acc, the loads of `batch` samples issued before any of them is
-        summed. Split: this thread sets up its own points (chunk, chunk + T, ...), then each point's
-        record comes from the thread that set it up (a shuffle a value)."""
-        points = inputs.level(level, H, W)
+        summed."""
         pending = []
-        if cutlass.const_expr(inputs.lanes is None):
-            for point in cutlass.range_constexpr(self.P):
+        for fetched, last in self.fetched_samples(inputs, level, H, W, top_left, corner):
+            pending.append(fetched)
+            if cutlass.const_expr(len(pending) == batch or last):
+                for sample in pending:
+                    self.bilinear.accumulate(acc, *sample)
+                pending = []
+
+    def fetched_samples(self, inputs, level: int, H, W, top_left, corner):
+        """Each sample of one level with its loads issued, in order, and whether a batch ends after it (the
+        level's last point; split: the last record of a round). Split: this thread sets up its own points
+        (chunk, chunk + T, ...), then each point's record comes from the thread that set it up (a shuffle a
+        value); point j * T + src is thread src's j-th, so one record of this thread's is live at a time."""
+        points = inputs.level(level, H, W)
+        if inputs.lanes is None:
+            for point in range(self.P):
                 w, h, a = points(point)
-                pending.append(self.bilinear.fetch(w, h, a, H, W, top_left, corner))
-                if cutlass.const_expr(len(pending) == batch or point == self.P - 1):
-                    for fetched in pending:
-                        self.bilinear.accumulate(acc, *fetched)
-                    pending = []
+                yield self.bilinear.fetch(w, h, a, H, W, top_left, corner), point == self.P - 1
         else:
-            # Point j * T + src is thread src's j-th: one record of this thread's is live at a time.
             for j, (point, _) in enumerate(inputs.own_points()):
                 w, h, a = points(point)
                 record = self.bilinear.setup(w, h, a, H, W)
                 count = min(self.T, self.P - j * self.T)
-                for src in cutlass.range_constexpr(count):
-                    pending.append(self.bilinear.fetch_record(share(record, src, self.T), top_left, corner))
-                    if cutlass.const_expr(len(pending) == batch or src == count - 1):
-                        for fetched in pending:
-                            self.bilinear.accumulate(acc, *fetched)
-                        pending = []
+                for src in range(count):
+                    yield self.bilinear.fetch_record(share(record, src, self.T), top_left, corner), src == count - 1
 
     @cute.jit
     def gather_staged(self, acc, inputs, sStaged, sLevels, staging, segment, chunk):

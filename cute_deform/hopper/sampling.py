@@ -112,16 +112,17 @@ class Bilinear:
             return record[3][0], record[3][1], record[4][0], record[4][1]
         return record[3:7]
 
+    def load_corners(self, first, corner, in_level):
+        """The four corners of a footprint, (0,0), (0,1), (1,0), (1,1) as (dy, dx): corner(first, dy, dx,
+        in_level(dy, dx)) each."""
+        return [corner(first, dy, dx, in_level(dy, dx)) for dy in range(2) for dx in range(2)]
+
     @cute.jit
     def fetch_record(self, record, top_left, corner):
         """The loads of a record's sample (setup's, possibly another thread's), issued: (a, weights,
         corners) for accumulate."""
-        first = top_left(record[0])
         mask = record[1]
-        corners = []
-        for dy in cutlass.range_constexpr(2):
-            for dx in cutlass.range_constexpr(2):
-                corners.append(corner(first, dy, dx, (mask & (1 << (2 * dy + dx))) != 0))
+        corners = self.load_corners(top_left(record[0]), corner, lambda dy, dx: (mask & (1 << (2 * dy + dx))) != 0)
         return record[2], self.record_weights(record), corners
 
     @cute.jit
@@ -131,11 +132,7 @@ class Bilinear:
         not in_level)."""
         inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
         rows, cols = self.inside_corners(x0, y0, H, W)
-        first = top_left(y0 * W + x0)
-        corners = []
-        for dy in cutlass.range_constexpr(2):
-            for dx in cutlass.range_constexpr(2):
-                corners.append(corner(first, dy, dx, rows[dy] & cols[dx]))
+        corners = self.load_corners(top_left(y0 * W + x0), corner, lambda dy, dx: rows[dy] & cols[dx])
         # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
         a = cutlass.select_(inside, a, cutlass.Float32(0.0))
         return a, self.weights(lw, lh), corners
