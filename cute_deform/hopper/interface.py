@@ -34,7 +34,7 @@ except Exception as exc:  # the package works without the DSL, through the refer
     _DSL_ERROR = exc
 
 from .. import native
-from .._cache import cache_dir  # noqa: F401  (the kernels' disk cache; also the launcher's)
+from .._cache import cache_dir
 from . import tile_scheduler
 from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
