@@ -260,22 +260,31 @@ def _wavefronts(addresses, width):
     return total
 
 
-def test_rows_copied_through_the_order_table_spread_over_the_banks():
-    """Through the order table each ring row is copied on its own, with a gap of what a query's four
-    threads read at once: thread c of each of a warp's eight queries reads its point c's location
-    (8 bytes) and weight (4 bytes) of a level in the fewest wavefronts (2 and 1); with rows of 256 and 128
-    bytes back to back all eight queries hit the same banks (8 each). Its shared memory leaves L1 60 KB."""
+def test_ring_rows_apart_spread_over_the_banks():
+    """Ring rows leave a gap of what a query's four threads read at once, through the order table (a bulk
+    copy a row) and, with more than 16 samples a query, in TMA boxes wider than a row: thread c of each of
+    a warp's eight queries reads its point c's location (8 bytes) and weight (4 bytes) of a level in the
+    fewest wavefronts (2 and 1); with rows of 256 and 128 bytes back to back all eight queries hit the same
+    banks (8 each). Either launch's shared memory leaves L1 60 KB. With 16 samples a query the TMA rows stay
+    dense (the gap lost there)."""
     from cute_deform.hopper.config import SMEM_KEEPING_L1
 
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     seed = dataclasses.replace(cfg, **launch_of(cfg, 48, 15422, 19560)[0])
-    assert seed.permuted and seed.smem_bytes <= SMEM_KEEPING_L1 and seed.stage_pixels >= 240 + 920
-    dense = dataclasses.replace(seed, permuted=False)
-    for level in range(4):
-        for row_cfg, want in ((seed, (2, 1)), (dense, (8, 8))):
-            loc = [4 * (q * row_cfg.loc_row_elems + 2 * (level * 8 + c)) for q in range(8) for c in range(4)]
-            attn = [4 * (q * row_cfg.attn_row_elems + level * 8 + c) for q in range(8) for c in range(4)]
-            assert (_wavefronts(loc, 8), _wavefronts(attn, 4)) == want
+    boxes = dataclasses.replace(cfg, **launch_of(cfg, 1, 15200, 20267)[0])
+    assert seed.permuted and not boxes.permuted and boxes.prefetch_inputs
+    for apart in (seed, boxes):
+        assert apart.rows_apart and apart.smem_bytes <= SMEM_KEEPING_L1 and apart.stage_pixels >= 240 + 920
+        for level in range(4):
+            for loc_row, attn_row, want in ((apart.loc_row_elems, apart.attn_row_elems, (2, 1)), (64, 32, (8, 8))):
+                loc = [4 * (q * loc_row + 2 * (level * 8 + c)) for q in range(8) for c in range(4)]
+                attn = [4 * (q * attn_row + level * 8 + c) for q in range(8) for c in range(4)]
+                assert (_wavefronts(loc, 8), _wavefronts(attn, 4)) == want
+    # The boxes deliver (and the ring barrier expects) whole rows, gap included.
+    assert boxes.input_bytes == boxes.queries_per_tile * 4 * (boxes.loc_row_elems + boxes.attn_row_elems)
+    assert seed.input_bytes == seed.queries_per_tile * 4 * 3 * 32
+    encoder = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    assert not encoder.rows_apart and (encoder.loc_row_elems, encoder.attn_row_elems) == (32, 16)
 
 
 def test_the_fused_encoder_launch_takes_six_groups():

@@ -142,12 +142,21 @@ class KernelConfig(ProblemConfig):
         """Elements of one stage of an input ring: G rows of row_elems, padded to 128 bytes."""
         return round_up(self.queries_per_tile * row_elems * ITEMSIZE[dtype], 128) // ITEMSIZE[dtype]
 
+    @property
+    def rows_apart(self) -> bool:
+        """Whether ring rows leave a gap. Through the order table each row is its own bulk copy. TMA boxes
+        get the gap as extra columns, zero filled: it won in the unfused kernel with the setup split and
+        more than 16 samples a query (dcnv4-test 86.5 against 91.3 us), and lost with 16 (detr-encoder,
+        not split, 145.2 against 137.2; the decoders, split, 1%; H100, docs/performance.md, session 12).
+        Other launches were not measured with it and keep dense rows."""
+        return self.permuted or (self.level_points > 16 and self.splits_setup and not self.fused)
+
     def _row_elems(self, per_query: int, per_point: int, dtype: str) -> int:
-        """Elements from one query's row to the next in a ring stage. Rows copied one by one (through the
-        order table) leave a gap of what the threads of a query read of a row at once (their points'
-        per_point elements each; at least 16 bytes): with rows of a multiple of 128 bytes back to back,
-        the queries of a warp reading the same place of their rows would all hit the same banks."""
-        if not self.permuted:
+        """Elements from one query's row to the next in a ring stage. Rows apart leave a gap of what the
+        threads of a query read of a row at once (their points' per_point elements each; at least 16
+        bytes): with rows of a multiple of 128 bytes back to back, the queries of a warp reading the same
+        place of their rows would all hit the same banks."""
+        if not self.rows_apart:
             return per_query
         readers = self.threads_per_query if self.splits_setup else 1
         return per_query + round_up(per_point * ITEMSIZE[dtype] * readers, 16) // ITEMSIZE[dtype]
@@ -174,8 +183,12 @@ class KernelConfig(ProblemConfig):
 
     @property
     def input_bytes(self) -> int:
-        """Bytes the two TMA boxes of one tile's inputs deliver."""
-        return self.queries_per_tile * self.level_points * (2 * ITEMSIZE[self.loc_dtype] + ITEMSIZE[self.attn_dtype])
+        """Bytes one tile's inputs deliver: its rows (bulk copies through the order table), or the two TMA
+        boxes of whole ring rows (a box wider than a row fills the gap with zeros, and counts it)."""
+        G = self.queries_per_tile
+        if self.permuted:
+            return G * self.level_points * (2 * ITEMSIZE[self.loc_dtype] + ITEMSIZE[self.attn_dtype])
+        return G * (self.loc_row_elems * ITEMSIZE[self.loc_dtype] + self.attn_row_elems * ITEMSIZE[self.attn_dtype])
 
     @property
     def _group_ring_bytes(self) -> int:
@@ -254,10 +267,10 @@ class KernelConfig(ProblemConfig):
     @property
     def stage_pixels(self) -> int:
         """Pixels of one head that the staging buffer holds, in whole staging boxes: stage_bytes, or
-        what shared memory has left after the rings; through the order table, of the shared memory that
-        keeps L1 60 KB (one pixel more is the zero pixel)."""
+        what shared memory has left after the rings; with rows apart, of the shared memory that keeps L1
+        60 KB (one pixel more is the zero pixel)."""
         pixel = self.head_dim * self.itemsize
-        most = SMEM_KEEPING_L1 if self.permuted else SMEM_PER_SM  # measured through the order table only
+        most = SMEM_KEEPING_L1 if self.rows_apart else SMEM_PER_SM  # measured with rows apart only
         budget = min(self.stage_bytes, most - self._smem_without_staging - pixel)
         return max(0, budget) // pixel // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
 

@@ -69,13 +69,13 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     # Host side: TMA atoms, shared storage, launch
     # ------------------------------------------------------------------------------------------------
-    def input_atom(self, tensor: cute.Tensor, per_query: int):
+    def input_atom(self, tensor: cute.Tensor, per_query: int, row_elems: int):
         """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
-        box (per_query, 1, G, 1); rows past Lq are zero filled."""
+        box (row_elems, 1, G, 1); rows past Lq, and a row's gap past per_query, are zero filled."""
         Lq, N = tensor.shape[1], tensor.shape[0]
         rows = cute.make_tensor(tensor.iterator, cute.make_layout(
             (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
-        box = (per_query, 1, self.G, 1)
+        box = (row_elems, 1, self.G, 1)
         return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
 
     @cute.jit
@@ -106,8 +106,8 @@ class MSDAForward:
         stage_atom, stage_tma = cpasync.make_tiled_tma_atom(stage_op, pixels, cute.make_layout(stage_box), stage_box)
         loc_atom, loc_tma, attn_atom, attn_tma = stage_atom, stage_tma, stage_atom, stage_tma
         if cutlass.const_expr(self.prefetch and not self.permuted):
-            loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP)
-            attn_atom, attn_tma = self.input_atom(mAttn, self.LP)
+            loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems)
+            attn_atom, attn_tma = self.input_atom(mAttn, self.LP, self.cfg.attn_row_elems)
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
         # address and sizes every CTA patches on the device.
         box_template = None
@@ -354,14 +354,14 @@ class MSDAForward:
                     self.copy_row(mAttn, attn_stage.iterator + slot * self.cfg.attn_row_elems, row, self.LP, full)
         else:
             block = q0 // self.G
-            self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, full, n, m, block)
-            self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, full, n, m, block)
+            self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block)
+            self.load_rows(attn_atom, attn_tma, attn_stage, self.cfg.attn_row_elems, full, n, m, block)
         state.advance(rings.groups)
         return state
 
     @cute.jit
-    def load_rows(self, atom, tma, stage, per_query: int, full, n, m, block):
-        box = (per_query, 1, self.G, 1)
+    def load_rows(self, atom, tma, stage, row_elems: int, full, n, m, block):
+        box = (row_elems, 1, self.G, 1)
         src = cute.local_tile(tma, box, (0, m, block, n))
         dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
