@@ -42,7 +42,7 @@ class SlowPathWarning(UserWarning):
 
 # torch.library's define/impl rather than torch.library.custom_op: custom_op wraps every call in
 # more layers of Python (a per-device wrapper, an aliasing check), ~8 us more host time a call
-# (scripts/op_overhead.py --routes).
+# (scripts/overhead.py op-layer --routes).
 _lib = torch.library.Library("cute_deform", "FRAGMENT")
 _lib.define("forward" + SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
 forward = torch.ops.cute_deform.forward.default

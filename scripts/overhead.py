@@ -7,11 +7,15 @@
                                            #      where it goes (cProfile, with --cprofile); with --layer
                                            #      also the encoder layer's forward and each of its launches
     python scripts/overhead.py smoke        # GPU: one small case against float64 (run under compute-sanitizer)
+    python scripts/overhead.py op-layer     # any machine: the op layer's host cost piece by piece, on the CPU
+                                           #      with the math and the launch stubbed (--routes: also a stub
+                                           #      kernel through each public torch.library route)
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +44,7 @@ VARIANTS = {
     "generic": lambda: GenericConfig(*SHAPE),
 }
 LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
+OP_N, OP_LQ, OP_M, OP_P, OP_D = 1, 64, 8, 4, 32  # op-layer: a tiny decoder call, where the host side dominates
 
 FIRST_CALL = r"""
 import time, torch
@@ -161,6 +166,188 @@ def cmd_host(args):
             pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
+def op_layer_inputs(device="cpu", table_device="cpu"):
+    """op-layer's inputs: value, locations and weights on `device`, the level table on `table_device`."""
+    shapes = torch.tensor(LEVELS, dtype=torch.int64)
+    pixels = shapes.prod(-1)
+    starts = pixels.cumsum(0) - pixels
+    S, L = int(pixels.sum()), len(LEVELS)
+    value = torch.randn(OP_N, S, OP_M, OP_D).to(torch.float16)
+    loc = torch.rand(OP_N, OP_LQ, OP_M, L, OP_P, 2)
+    attn = torch.rand(OP_N, OP_LQ, OP_M, L, OP_P)
+    return [value.to(device), shapes.to(table_device), starts.to(table_device), loc.to(device), attn.to(device)]
+
+
+def per_call_us(fn, number, repeats):
+    for _ in range(min(number, 1000)):  # warm-up (caches, lazy imports)
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        runs.append((time.perf_counter() - t0) / number * 1e6)
+    return statistics.median(runs)
+
+
+def paired_difference_us(fn, baseline, number, repeats):
+    """Median over repeats of (time of fn - time of baseline), each pair timed back to back: steadier
+    than the difference of two medians on a busy machine."""
+    for _ in range(min(number, 1000)):
+        fn()
+        baseline()
+    diffs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        t1 = time.perf_counter()
+        for _ in range(number):
+            baseline()
+        t2 = time.perf_counter()
+        diffs.append(((t1 - t0) - (t2 - t1)) / number * 1e6)
+    return statistics.median(diffs)
+
+
+_REGISTRATIONS = []
+
+
+def public_routes(inputs, out):
+    """The same stub kernel (returns `out`) registered through each public torch.library route, as
+    {route: callable}: what the registration alone costs a call, without cute_deform's own code."""
+    schema = ("(Tensor value, Tensor spatial_shapes, Tensor level_start_index, Tensor sampling_locations, "
+              "Tensor attention_weights, int im2col_step=64) -> Tensor")
+
+    def stub(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+        return out
+
+    def fake(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, im2col_step=64):
+        return value.new_empty(out.shape)
+
+    def backward(ctx, grad):
+        raise RuntimeError("forward only")
+
+    libs = {}
+    for name in ("register_autograd", "no_autograd"):
+        lib = libs[name] = torch.library.Library(f"cute_deform_route_{name}", "DEF")
+        lib.define("f" + schema)
+        lib.impl("f", stub, "CPU")
+        torch.library.register_fake(f"cute_deform_route_{name}::f", fake, lib=lib)
+    torch.library.register_autograd("cute_deform_route_register_autograd::f", backward,
+                                    lib=libs["register_autograd"])
+
+    @torch.library.custom_op("cute_deform_route_custom_op::f", mutates_args=())
+    def custom(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+               sampling_locations: torch.Tensor, attention_weights: torch.Tensor, im2col_step: int = 64
+               ) -> torch.Tensor:
+        return out
+
+    custom.register_fake(fake)
+    custom.register_autograd(backward)
+    _REGISTRATIONS.append(libs)  # a Library's registrations last as long as the object
+    ops = torch.ops
+    return {
+        "define/impl + register_autograd (the op's route)":
+            lambda: ops.cute_deform_route_register_autograd.f.default(*inputs),
+        "torch.library.custom_op + register_autograd":
+            lambda: ops.cute_deform_route_custom_op.f.default(*inputs),
+        "define/impl, no autograd kernel (floor; backward would pass through)":
+            lambda: ops.cute_deform_route_no_autograd.f.default(*inputs),
+    }
+
+
+def cmd_op_layer(args):
+    """Host cost of the op layer of torch.ops.cute_deform.forward, piece by piece, on the CPU: tiny inputs
+    (N=1, Lq=64, M=8, L=4, P=4, D=32, the Deformable DETR levels), microseconds a call, the median of
+    --repeats runs of --number calls. Needs no GPU:
+    - the CUDA flow is the op's CUDA kernel (`op._forward_cuda`) called directly, with
+      `hopper.interface.msda_forward` replaced by a stub that returns a preallocated tensor and the device
+      capability probe answered from its cache, so what is timed is the op layer alone. "cuda-like" rows
+      put value, locations and weights on the meta device (the tests' stand-in for a GPU);
+    - the dispatcher rows call torch.ops.cute_deform.forward on CPU tensors with the CPU math stubbed.
+    It replaces functions in this process: run it on its own."""
+    import cute_deform
+    from cute_deform import _checks, op
+
+    hopper = interface
+
+    cpu = op_layer_inputs()
+    cuda_like = op_layer_inputs(device="meta")  # value & co. on a "device", level table on the CPU
+    on_device = op_layer_inputs(device="meta", table_device="meta")  # everything on the "device"
+    out = torch.empty(OP_N, OP_LQ, OP_M * OP_D, dtype=torch.float16)
+
+    # Stubs: the math and the launch are not what is timed here.
+    def stub_launch(value, *rest, **tuning):
+        return out
+    op.cpu.forward = lambda *a, **k: out
+    hopper.msda_forward = stub_launch
+    hopper.available = lambda: True
+    torch.cuda.get_device_capability = lambda index=None: (9, 0)
+    torch.cuda.current_device = lambda: 0
+    op.kernel_unavailable_reason.cache_clear()
+    assert op.kernel_unavailable_reason(0) is None
+
+    cpu_body = op._forward_cpu
+    rows = []
+    timed = {}
+
+    def row(name, fn, key=None):
+        us = per_call_us(fn, args.number, args.repeats)
+        rows.append((name, us))
+        if key:
+            timed[key] = us
+
+    row("python call of an empty function (scale)", lambda: None)
+    row("check_inputs, CPU level table (values read)", lambda: _checks.check_inputs(*cpu))
+    row("check_inputs, cuda-like, CPU level table", lambda: _checks.check_inputs(*cuda_like))
+    row("check_inputs, everything on device", lambda: _checks.check_inputs(*on_device))
+    row("check_inputs, check_values=False (fake impl)", lambda: _checks.check_inputs(*cpu, check_values=False))
+    row("check_inputs, drop-in names", lambda: _checks.check_inputs(*cpu, names=_checks.DROP_IN_NAMES))
+    row("_checks.validate, cuda-like, CPU level table", lambda: _checks.validate(*cuda_like))
+    row("_checks.validate, everything on device", lambda: _checks.validate(*on_device))
+    row("_level_tables_on, cuda-like, CPU table (cached copy)",
+        lambda: op._level_tables_on(cuda_like[0].device, cuda_like[1], cuda_like[2]))
+    row("kernel_unavailable_reason(0) (lru_cache hit)", lambda: op.kernel_unavailable_reason(0))
+    row("5x .contiguous() (contiguous inputs)", lambda: [t.contiguous() for t in cpu])
+    row("op CPU kernel body (math stubbed)", lambda: cpu_body(*cpu), "cpu_body")
+    row("op CUDA kernel body, cuda-like, CPU level table", lambda: op._forward_cuda(*cuda_like))
+    row("op CUDA kernel body, everything on device", lambda: op._forward_cuda(*on_device), "cuda_body")
+    row("op CUDA kernel body, CPU tensors", lambda: op._forward_cuda(*cpu))
+    row("torch.ops.cute_deform.forward (CPU, math stubbed)", lambda: torch.ops.cute_deform.forward(*cpu), "op")
+    with torch.no_grad():
+        row("  same, under torch.no_grad()", lambda: torch.ops.cute_deform.forward(*cpu))
+    with torch.inference_mode():
+        row("  same, under torch.inference_mode()", lambda: torch.ops.cute_deform.forward(*cpu), "op_inference")
+    row("torch.ops.cute_deform.forward.default (CPU, stubbed)", lambda: torch.ops.cute_deform.forward.default(*cpu))
+    row("cute_deform.ms_deform_attn (drop-in, CPU, stubbed)", lambda: cute_deform.ms_deform_attn(*cpu))
+    # The dispatcher's share: the op on CPU tensors minus its CPU kernel called directly.
+    def op_call():
+        return torch.ops.cute_deform.forward(*cpu)
+
+    def body_call():
+        return cpu_body(*cpu)
+
+    dispatch = paired_difference_us(op_call, body_call, args.number, args.repeats)
+    rows.append(("= dispatcher + autograd layer (op - its CPU kernel, paired)", dispatch))
+    with torch.inference_mode():
+        rows.append(("= dispatcher, inference_mode (op - its CPU kernel, paired)",
+                     paired_difference_us(op_call, body_call, args.number, args.repeats)))
+    rows.append(("= op layer on a GPU, estimated (dispatcher + CUDA kernel body on device)",
+                 dispatch + timed["cuda_body"]))
+
+    if args.routes:
+        for name, call in public_routes(cpu, out).items():
+            row(f"stub kernel via {name}", call)
+
+    width = max(len(name) for name, _ in rows)
+    print(f"cute_deform from {cute_deform.__file__}")
+    print(f"torch {torch.__version__}; N={OP_N} Lq={OP_LQ} M={OP_M} L={len(LEVELS)} P={OP_P} D={OP_D}; median of "
+          f"{args.repeats} x {args.number} calls")
+    print(f"{'piece':<{width}}  us/call")
+    for name, us in rows:
+        print(f"{name:<{width}}  {us:7.2f}")
+
+
 def cmd_smoke(args):
     from cute_deform import ms_deform_attn_reference
 
@@ -185,13 +372,19 @@ def cmd_smoke(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=("compile", "first-call", "host", "smoke"))
+    ap.add_argument("command", choices=("compile", "first-call", "host", "smoke", "op-layer"))
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--inference-mode", action="store_true", help="host: time under torch.inference_mode, not no_grad")
     ap.add_argument("--layer", action="store_true", help="host: also the encoder layer's forward and its parts")
+    ap.add_argument("--repeats", type=int, default=7, help="op-layer: runs of --number calls (the median is shown)")
+    ap.add_argument("--number", type=int, default=20000, help="op-layer: calls a run")
+    ap.add_argument("--routes", action="store_true",
+                    help="op-layer: also time a stub kernel through each public registration route")
     args = ap.parse_args()
-    return {"compile": cmd_compile, "first-call": cmd_first_call, "host": cmd_host, "smoke": cmd_smoke}[args.command](args) or 0
+    commands = {"compile": cmd_compile, "first-call": cmd_first_call, "host": cmd_host, "smoke": cmd_smoke,
+                "op-layer": cmd_op_layer}
+    return commands[args.command](args) or 0
 
 
 if __name__ == "__main__":
