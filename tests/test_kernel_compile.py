@@ -287,6 +287,21 @@ def test_ring_rows_apart_spread_over_the_banks():
     assert not encoder.rows_apart and (encoder.loc_row_elems, encoder.attn_row_elems) == (32, 16)
 
 
+def test_p4_launches_alternate_the_level_order():
+    """fp16/bf16 P = 4 launches without the order table take the staged levels first or last by group and
+    tile in turn (measured faster on the encoders and decoders); P = 8, the order table, the fused kernel,
+    fp32 value and TMA boxes keep one order (it lost at P = 8, the others were not measured)."""
+    for value in ("float16", "bfloat16"):
+        cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
+        for N, Lq in ((2, 22223), (8, 900), (16, 300)):  # the encoder's and the decoders' launches
+            assert dataclasses.replace(cfg, **launch_of(cfg, N, Lq, 22223)[0]).alternates
+        assert not dataclasses.replace(cfg, permuted=True).alternates
+    assert not tiled("float16", "float32", "float32", 8, 4, 8, 32).alternates
+    assert not tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True).alternates
+    assert not tiled("float32", "float32", "float32", 8, 4, 4, 32).alternates
+    assert not tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=3).alternates
+
+
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)

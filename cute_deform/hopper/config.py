@@ -67,6 +67,7 @@ class KernelConfig(ProblemConfig):
     cluster_size: int = 2  # 2: CTA pairs share each range and multicast the staged levels
     fine_gather: str = "ldg"  # levels that are not staged: "ldg" 16-byte loads through L1, "tma" 2x2xD boxes
     l1_first: bool = False  # L1 levels before staged ones: a range's first tile starts before its staging
+    # (unless the configuration alternates: KernelConfig.alternates)
     # Tiles take their queries through an order table (the host's sort by position): neighbours in a tile
     # share footprints in L1 whatever order the caller's queries come in.
     permuted: bool = False
@@ -125,6 +126,18 @@ class KernelConfig(ProblemConfig):
     @property
     def level_points(self) -> int:
         return self.num_levels * self.num_points
+
+    @property
+    def alternates(self) -> bool:
+        """Whether groups take a tile's staged levels first or last in turn (by group and tile), so that at
+        any time about half the groups are gathering through L1 and the other half from shared memory:
+        the kernel's demand on L2 and DRAM is steadier than with every group in the same phase. Measured
+        on the unfused fp16 P = 4 launches (H100, session 12): detr-decoder 65.5 -> 64.1 us, -ref 62.0 ->
+        60.8, decoder-b16 62.3 -> 60.1, detr-encoder 138.1 -> 135.7, -init 131.1 -> 128.7. It lost at
+        P = 8 (dcnv4-test 85.8 -> 111.0, seed-b48 3925 -> 4048); the fused kernel, fp32 value and the
+        order table at P = 4 were not measured. Where it alternates, l1_first has no effect."""
+        return (self.packed_math and not self.fused and not self.permuted and self.fine_gather == "ldg"
+                and self.level_points <= 16)
 
     @property
     def packed_math(self) -> bool:

@@ -490,8 +490,11 @@ class MSDAForward:
                     if gathers:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
                                                     (chunk, self.T) if cutlass.const_expr(self.split) else None)
+                        # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
+                        staged_phase = ((tile - first) // (self.groups * self.cluster) + g) % 2
                         box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
-                                                     box_state, storage, segment, n, m, read_slot, chunk)
+                                                     box_state, storage, segment, n, m, read_slot, chunk,
+                                                     staged_phase)
                     if cutlass.const_expr(self.prefetch):
                         input_rings.release(input_state)
                         input_state.advance(input_rings.groups)
@@ -507,10 +510,21 @@ class MSDAForward:
 
     @cute.jit
     def gather_tile(self, acc, inputs, mValue, sStaged, sLevels, staging, box_rings, box_state, storage,
-                    segment, n, m, slot, chunk):
+                    segment, n, m, slot, chunk, staged_phase):
         """Every level and point of this thread's query into acc. With L1 gathers the staged levels
-        come first (they need the staging to have landed), unless l1_first; with per-sample boxes the
-        staged levels overlap the boxes in flight."""
+        come first (they need the staging to have landed), unless l1_first, or in phase staged_phase (0 or
+        1) where the configuration alternates; with per-sample boxes the staged levels overlap the boxes
+        in flight."""
+        if cutlass.const_expr(self.cfg.alternates):
+            for phase in cutlass.range(2, unroll=1):
+                if phase == staged_phase:
+                    self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
+                else:
+                    for level in cutlass.range_constexpr(self.L):
+                        H, W, start, offset = self.level_row(sLevels, level)
+                        if offset < 0:
+                            self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
+            return box_state
         if cutlass.const_expr(self.boxes or not self.cfg.l1_first):
             self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
         if cutlass.const_expr(self.boxes):
