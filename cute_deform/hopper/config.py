@@ -135,7 +135,8 @@ class KernelConfig(ProblemConfig):
         on the unfused fp16 P = 4 launches (H100, session 12): detr-decoder 65.5 -> 64.1 us, -ref 62.0 ->
         60.8, decoder-b16 62.3 -> 60.1, detr-encoder 138.1 -> 135.7, -init 131.1 -> 128.7. It lost at
         P = 8 (dcnv4-test 85.8 -> 111.0, seed-b48 3925 -> 4048); the fused kernel, fp32 value and the
-        order table at P = 4 were not measured. Where it alternates, l1_first has no effect."""
+        order table at P = 4 were not measured (bf16 runs the fp16 code). Where it alternates, l1_first has
+        no effect."""
         return (self.packed_math and not self.fused and not self.permuted and self.fine_gather == "ldg"
                 and self.level_points <= 16)
 

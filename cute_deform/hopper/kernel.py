@@ -491,7 +491,9 @@ class MSDAForward:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
                                                     (chunk, self.T) if cutlass.const_expr(self.split) else None)
                         # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
-                        staged_phase = ((tile - first) // (self.groups * self.cluster) + g) % 2
+                        staged_phase = 0
+                        if cutlass.const_expr(self.cfg.alternates):
+                            staged_phase = ((tile - first) // (self.groups * self.cluster) + g) % 2
                         box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
                                                      box_state, storage, segment, n, m, read_slot, chunk,
                                                      staged_phase)
@@ -520,23 +522,25 @@ class MSDAForward:
                 if phase == staged_phase:
                     self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
                 else:
-                    for level in cutlass.range_constexpr(self.L):
-                        H, W, start, offset = self.level_row(sLevels, level)
-                        if offset < 0:
-                            self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
+                    self.gather_unstaged_l1(acc, inputs, mValue, sLevels, n, m, chunk)
             return box_state
         if cutlass.const_expr(self.boxes or not self.cfg.l1_first):
             self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
         if cutlass.const_expr(self.boxes):
             box_state = self.gather_boxes(acc, inputs, sLevels, box_rings, box_state, storage, slot, chunk)
         else:
-            for level in cutlass.range_constexpr(self.L):
-                H, W, start, offset = self.level_row(sLevels, level)
-                if offset < 0:
-                    self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
+            self.gather_unstaged_l1(acc, inputs, mValue, sLevels, n, m, chunk)
         if cutlass.const_expr(not self.boxes and self.cfg.l1_first):
             self.gather_staged(acc, inputs, sStaged, sLevels, staging, segment, chunk)
         return box_state
+
+    @cute.jit
+    def gather_unstaged_l1(self, acc, inputs, mValue, sLevels, n, m, chunk):
+        """Every level that is not staged, through L1."""
+        for level in cutlass.range_constexpr(self.L):
+            H, W, start, offset = self.level_row(sLevels, level)
+            if offset < 0:
+                self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
 
     def level_row(self, sLevels, level: int):
         """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
