@@ -168,45 +168,33 @@ def cmd_host(args):
 
 def op_layer_inputs(device="cpu", table_device="cpu"):
     """op-layer's inputs: value, locations and weights on `device`, the level table on `table_device`."""
-    shapes = torch.tensor(LEVELS, dtype=torch.int64)
-    pixels = shapes.prod(-1)
-    starts = pixels.cumsum(0) - pixels
-    S, L = int(pixels.sum()), len(LEVELS)
+    shapes, starts, S = level_tables("cpu")
+    L = len(LEVELS)
     value = torch.randn(OP_N, S, OP_M, OP_D).to(torch.float16)
     loc = torch.rand(OP_N, OP_LQ, OP_M, L, OP_P, 2)
     attn = torch.rand(OP_N, OP_LQ, OP_M, L, OP_P)
     return [value.to(device), shapes.to(table_device), starts.to(table_device), loc.to(device), attn.to(device)]
 
 
-def per_call_us(fn, number, repeats):
-    for _ in range(min(number, 1000)):  # warm-up (caches, lazy imports)
+def calls_us(fn, number):
+    """Microseconds a call of fn, over `number` calls back to back."""
+    t0 = time.perf_counter()
+    for _ in range(number):
         fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        runs.append((time.perf_counter() - t0) / number * 1e6)
-    return statistics.median(runs)
+    return (time.perf_counter() - t0) / number * 1e6
+
+
+def per_call_us(fn, number, repeats):
+    calls_us(fn, min(number, 1000))  # warm-up (caches, lazy imports)
+    return statistics.median(calls_us(fn, number) for _ in range(repeats))
 
 
 def paired_difference_us(fn, baseline, number, repeats):
     """Median over repeats of (time of fn - time of baseline), each pair timed back to back: steadier
     than the difference of two medians on a busy machine."""
-    for _ in range(min(number, 1000)):
-        fn()
-        baseline()
-    diffs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        t1 = time.perf_counter()
-        for _ in range(number):
-            baseline()
-        t2 = time.perf_counter()
-        diffs.append(((t1 - t0) - (t2 - t1)) / number * 1e6)
-    return statistics.median(diffs)
+    calls_us(fn, min(number, 1000))
+    calls_us(baseline, min(number, 1000))
+    return statistics.median(calls_us(fn, number) - calls_us(baseline, number) for _ in range(repeats))
 
 
 _REGISTRATIONS = []
@@ -269,7 +257,6 @@ def cmd_op_layer(args):
     import cute_deform
     from cute_deform import _checks, op
 
-    hopper = interface
 
     cpu = op_layer_inputs()
     cuda_like = op_layer_inputs(device="meta")  # value & co. on a "device", level table on the CPU
@@ -280,8 +267,8 @@ def cmd_op_layer(args):
     def stub_launch(value, *rest, **tuning):
         return out
     op.cpu.forward = lambda *a, **k: out
-    hopper.msda_forward = stub_launch
-    hopper.available = lambda: True
+    interface.msda_forward = stub_launch
+    interface.available = lambda: True
     torch.cuda.get_device_capability = lambda index=None: (9, 0)
     torch.cuda.current_device = lambda: 0
     op.kernel_unavailable_reason.cache_clear()
