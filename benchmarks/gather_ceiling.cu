@@ -12,6 +12,10 @@
 // Methods:
 //   ldg_kernel : 16-byte __ldg gathers through L1. A warp covers 32/TPQ consecutive queries of one head,
 //                TPQ threads per query; each thread loads 16/TPQ corners x one 16-byte channel chunk per sample.
+//                HP=1 (head pairs): a warp covers 16/TPQ queries of two heads (2k, 2k+1), the TPQ threads of
+//                a query's head 2k next to those of its head 2k+1, so the 64-byte rows that one 128-byte
+//                wavefront carries lie in both halves of their lines (one head's rows all lie in the same
+//                half: the same L1 banks).
 //                A corner outside the level loads the clamped pixel and is masked to zero (unpredicated loads
 //                let ptxas keep more loads in flight than `if (inside) v = load`).
 //   tma_kernel : warp-specialised; NPROD producer warps issue one cp.async.bulk.tensor.5d box [32,1,2,2,1]
@@ -64,20 +68,22 @@ __device__ __forceinline__ int sel(const int (&a)[K], int i) {
 // Warp item = (n, query tile of QW queries, m), m fastest; a block of 8 warps takes 8 consecutive warp items
 // (block item). contig=0: block items are spread over blocks grid-stride (neighbouring blocks run
 // neighbouring queries, like a non-persistent launch); contig=1: each block takes a contiguous slice.
-template <int P, int TPQ, int U>
+template <int P, int TPQ, int U, int HP>
 __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ value, const uint32_t* __restrict__ coords,
                                                   Levels lv, int N, int Lq, int M, int S, int contig,
                                                   uint32_t* __restrict__ out) {
-  constexpr int QW = 32 / TPQ;           // queries per warp
+  constexpr int HPW = HP ? 2 : 1;        // heads per warp
+  constexpr int QW = 32 / TPQ / HPW;     // queries per warp
   constexpr int CPT = 16 / TPQ;          // corners per thread per sample
   constexpr int CSTEP = TPQ / 4;         // corner stride between a thread's corners
   constexpr int UU = U < P ? U : P;      // samples whose loads are issued together
   static_assert(P % UU == 0, "U must divide P");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wpb = blockDim.x >> 5;
-  const int qi = lane / TPQ, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
+  const int qi = lane / (TPQ * HPW), hh = (lane / TPQ) % HPW, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
   const int nqt = (Lq + QW - 1) / QW;
-  const long total_items = (long)N * nqt * M;
+  const int MI = (M + HPW - 1) / HPW;    // head items
+  const long total_items = (long)N * nqt * MI;
   const long total_bitems = (total_items + wpb - 1) / wpb;
   long b_begin, b_end, b_step;
   if (contig) {
@@ -94,12 +100,12 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
   for (long bi = b_begin; bi < b_end; bi += b_step) {
     const long item = bi * wpb + warp;
     if (item >= total_items) continue;
-    const int m = (int)(item % M);
-    const long r = item / M;
+    const int m = (int)(item % MI) * HPW + hh;
+    const long r = item / MI;
     const int qt = (int)(r % nqt);
     const int n = (int)(r / nqt);
     const int q = qt * QW + qi;
-    if (q >= Lq) continue;
+    if (q >= Lq || m >= M) continue;
     const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
     // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
     uint32_t cc[L * P];
@@ -413,11 +419,12 @@ static Levels levels_of(const int* g) {
   return lv;
 }
 
-static const void* ldg_fn(int P, int tpq, int u) {
-#define GC_LDG(p, t, uu) \
-  if (P == p && tpq == t && u == uu) return (const void*)ldg_kernel<p, t, uu>;
-  GC_LDG(4, 4, 2) GC_LDG(4, 4, 4) GC_LDG(4, 8, 4) GC_LDG(4, 16, 4)
-  GC_LDG(8, 4, 2) GC_LDG(8, 4, 4) GC_LDG(8, 8, 4) GC_LDG(8, 16, 4) GC_LDG(8, 16, 8)
+static const void* ldg_fn(int P, int tpq, int u, int hp) {
+#define GC_LDG(p, t, uu, h) \
+  if (P == p && tpq == t && u == uu && hp == h) return (const void*)ldg_kernel<p, t, uu, h>;
+  GC_LDG(4, 4, 2, 0) GC_LDG(4, 4, 4, 0) GC_LDG(4, 8, 4, 0) GC_LDG(4, 16, 4, 0)
+  GC_LDG(8, 4, 2, 0) GC_LDG(8, 4, 4, 0) GC_LDG(8, 8, 4, 0) GC_LDG(8, 16, 4, 0) GC_LDG(8, 16, 8, 0)
+  GC_LDG(4, 4, 2, 1) GC_LDG(4, 4, 4, 1) GC_LDG(8, 4, 2, 1) GC_LDG(8, 4, 4, 1)
 #undef GC_LDG
   return nullptr;
 }
@@ -468,16 +475,16 @@ int gc_encode_maps(void* maps_out, const void* value, const int* g) {
 }
 
 // blocks of 256 threads; returns the max resident blocks per SM through occ (or <0 if the variant is missing)
-int gc_ldg_occupancy(int P, int tpq, int u, int* occ) {
-  const void* f = ldg_fn(P, tpq, u);
+int gc_ldg_occupancy(int P, int tpq, int u, int hp, int* occ) {
+  const void* f = ldg_fn(P, tpq, u, hp);
   if (!f) return -2;
   cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, 0);  // all of it as L1
   return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, f, 256, 0);
 }
 
-int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int contig, int grid,
+int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int hp, int contig, int grid,
            void* out, void* stream) {
-  const void* f = ldg_fn(P, tpq, u);
+  const void* f = ldg_fn(P, tpq, u, hp);
   if (!f) return -2;
   Levels lv = levels_of(g);
   int N = g[0], Lq = g[1], M = g[2], S = g[3];

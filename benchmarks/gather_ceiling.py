@@ -7,6 +7,8 @@ the bilinear footprint (2x2 pixels x D=32 fp16 = 256 B) of every sample of the r
 is checked against a torch reference before it is timed.
 
   (a) LDG    16-byte __ldg through L1; a warp covers consecutive queries of one head (DCNv4 / vec style)
+      LDG-pairs  the same, a warp covering half as many queries of a head pair (2k, 2k+1), the threads of a
+             query's two heads side by side (method 'pairs')
   (b) TMA    one cp.async.bulk.tensor.5d box [32,1,2,2,1] per sample, a producer warp issuing one box per lane,
              rounds of 32/64 boxes in a ring of mbarrier-guarded stages, consumer warps XOR them out of smem
   (c) TMA+stage2  as (b) for the two fine levels; the two coarsest levels of one (image, head) staged whole in
@@ -90,8 +92,8 @@ def build_lib():
     lib.gc_error_string.argtypes = [i]
     lib.gc_error_string.restype = ctypes.c_char_p
     lib.gc_encode_maps.argtypes = [vp, vp, ip]
-    lib.gc_ldg_occupancy.argtypes = [i, i, i, ip]
-    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, vp, vp]
+    lib.gc_ldg_occupancy.argtypes = [i, i, i, i, ip]
+    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, i, vp, vp]
     lib.gc_tma_occupancy.argtypes = [i, i, i, i, i, i, i, i, ip]
     lib.gc_tma.argtypes = [vp, vp, vp, ip, i, i, i, i, i, i, i, i, vp, vp]
     return lib
@@ -216,20 +218,24 @@ def reference_xor(value, coords, N, Lq, P, levels):
 
 
 # ------------------------------------------------------------------------------------------------ configs
-def ldg_configs(lib, N, Lq, P, sms, quick):
+def ldg_configs(lib, N, Lq, P, sms, quick, hp=0):
     variants = [(4, 2), (4, 4), (8, 4), (16, 4)] + ([(16, 8)] if P >= 8 else [])
     if quick:
         variants = [(4, 4), (16, 4)]
+    if hp:
+        variants = [(4, 2), (4, 4)]
     out = []
     for tpq, u in variants:
         occ = ctypes.c_int(0)
-        check(lib, lib.gc_ldg_occupancy(P, tpq, u, ctypes.byref(occ)), "ldg occupancy")
+        check(lib, lib.gc_ldg_occupancy(P, tpq, u, hp, ctypes.byref(occ)), "ldg occupancy")
         b = occ.value
-        qw = 32 // tpq  # queries per warp; a block is 8 warps = 8 (query tile, head) items
-        total_blocks = (N * ((Lq + qw - 1) // qw) * M + 7) // 8
-        out.append(dict(tpq=tpq, u=u, contig=0, grid=total_blocks, desc=f"TPQ={tpq} U={u} grid=all"))
-        out.append(dict(tpq=tpq, u=u, contig=0, grid=sms * b, desc=f"TPQ={tpq} U={u} {b}x256/SM interleaved"))
-        out.append(dict(tpq=tpq, u=u, contig=1, grid=sms * b, desc=f"TPQ={tpq} U={u} {b}x256/SM contiguous"))
+        qw = 32 // tpq // (2 if hp else 1)  # queries per warp; a block is 8 warps = 8 (query tile, head) items
+        items = M // 2 if hp else M
+        total_blocks = (N * ((Lq + qw - 1) // qw) * items + 7) // 8
+        tag = f"TPQ={tpq} U={u}" + (" head pairs" if hp else "")
+        out.append(dict(tpq=tpq, u=u, hp=hp, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))
+        out.append(dict(tpq=tpq, u=u, hp=hp, contig=0, grid=sms * b, desc=f"{tag} {b}x256/SM interleaved"))
+        out.append(dict(tpq=tpq, u=u, hp=hp, contig=1, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous"))
     return out
 
 
@@ -267,7 +273,7 @@ def main():
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--patterns", default="local,uniform")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--methods", default="ldg,tma,stage", help="subset of ldg,tma,stage")
+    ap.add_argument("--methods", default="ldg,tma,stage", help="subset of ldg,pairs,tma,stage")
     ap.add_argument("--dry", action="store_true", help="CPU check of data generation and reference only")
     ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--rep", type=float, default=50)
@@ -372,7 +378,7 @@ def main():
                 obuf = ctypes.c_void_p(out_buf.data_ptr())
 
                 def run_ldg(c):
-                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["contig"], c["grid"], obuf, stream)
+                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["hp"], c["contig"], c["grid"], obuf, stream)
 
                 def run_tma(c, nstg):
                     return lib.gc_tma(maps_p, vp, cp, geom, P, nstg, c["B"], c["order"], c["stages"], c["nprod"],
@@ -381,6 +387,8 @@ def main():
                 methods = []
                 for c in ldg_configs(lib, N, Lq, P, sms, args.quick) if "ldg" in which else []:
                     methods.append(("LDG", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
+                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, hp=1) if "pairs" in which else []:
+                    methods.append(("LDG-pairs", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
                 for c in tma_configs(lib, P, 0, sms, 0, args.quick) if "tma" in which else []:
                     methods.append(("TMA", c, (lambda c=c: run_tma(c, 0)), c["grid"] * (c["nprod"] + c["ncons"])))
                 for c in tma_configs(lib, P, 2, sms, staged_px, args.quick) if "stage" in which else []:
@@ -407,8 +415,8 @@ def main():
                     if meth not in best or us < best[meth][0]:
                         best[meth] = (us, c["desc"])
                 line = []
-                for meth in ("LDG", "TMA", "TMA+stage2"):
-                    if {"LDG": "ldg", "TMA": "tma", "TMA+stage2": "stage"}[meth] not in which:
+                for meth in ("LDG", "LDG-pairs", "TMA", "TMA+stage2"):
+                    if {"LDG": "ldg", "LDG-pairs": "pairs", "TMA": "tma", "TMA+stage2": "stage"}[meth] not in which:
                         continue
                     if meth in best:
                         us, desc = best[meth]

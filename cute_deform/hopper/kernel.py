@@ -36,6 +36,9 @@ from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
+# The L2 eviction policy of the tile inputs' copies (the createpolicy encoding CUTLASS names EVICT_FIRST):
+# each row is read once, and with the default policy the stream of them pushed value out of L2.
+INPUTS_L2_POLICY = 0x12F0000000000000
 try:
     DTYPES = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 except NameError:
@@ -339,7 +342,8 @@ class MSDAForward:
                     m, q0):
         """One tile's rows of locations and weights (or offsets and logits): two TMA boxes; or, through the
         order table, lane j copies the rows of the tile's queries j, j + 32, ... with two bulk copies each
-        (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel)."""
+        (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel). Either way L2
+        evicts them first (INPUTS_L2_POLICY)."""
         full = rings.acquire(state)
         loc_stage, attn_stage = sLoc[None, state.index], sAttn[None, state.index]
         if cutlass.const_expr(self.permuted):
@@ -366,13 +370,14 @@ class MSDAForward:
         dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
                                          cute.group_modes(src, 0, 4))
-        cute.copy(atom, tIg, tIs, tma_bar_ptr=full)
+        cute.copy(atom, tIg, tIs, tma_bar_ptr=full, cache_policy=cutlass.Int64(INPUTS_L2_POLICY))
 
     @cute.jit
     def copy_row(self, tensor, dst, row, per_query: int, full):
         """Row `row` of an (N*Lq*M, per_query) input to dst in shared memory: one bulk copy."""
         src = row_pointer(tensor, row, per_query, 0, per_query)
-        prims.cp_async_bulk_shared_cluster_global(dst, src, full, per_query * (tensor.element_type.width // 8))
+        prims.cp_async_bulk_shared_cluster_global(dst, src, full, per_query * (tensor.element_type.width // 8),
+                                                  l2_cache_hint=cutlass.Int64(INPUTS_L2_POLICY))
 
     @cute.jit
     def publish_box_maps(self, g, box_template, mValue, mDesc, storage, sizes, starts, bidx):
