@@ -10,7 +10,7 @@ interface = pytest.importorskip("cute_deform.hopper.interface")
 if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
-from cute_deform.hopper import tile_scheduler  # noqa: E402
+from cute_deform.hopper import kernel, tile_scheduler  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 
@@ -50,6 +50,9 @@ VARIANTS = [
                                     producers=1)),
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
+    # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines.
+    ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
+                            producers=1, split_setup=False, line_prefetch=True)),
     # Several samples' loads issued before any is summed: the decoders' launch, and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
                              gather_batch=4)),
@@ -73,6 +76,13 @@ def ptx_of(tmp_path_factory):
         assert len(files) == 1, f"{name}: expected one sm_90a PTX file, found {files}"
         texts[name] = files[0].read_text()
     return texts
+
+
+def evict_first_copies(ptx):
+    """Bulk copies whose L2 cache-hint operand holds the inputs' evict-first policy."""
+    constants = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
+    hints = re.findall(r"^\s*cp\.async\.bulk\.\S*L2::cache_hint .*, (%rd\d+);", ptx, re.M)
+    return sum(constants.get(reg) == str(kernel.INPUTS_L2_POLICY) for reg in hints)
 
 
 def configs_of(name):
@@ -105,7 +115,11 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert boxes == (cfg.fine_gather == "tma")
     assert ("tensormap.replace.tile.global_dim" in ptx) == boxes
     if cfg.fine_gather == "ldg":
-        assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
+        assert re.search(r"ld\.global(\.nc)?(\.L2::128B)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
+    assert ("ld.global.L2::128B.v4" in ptx) == cfg.line_prefetch
+    # Each tile's inputs are read once: their copies carry an L2 cache policy (evict first); the staging
+    # loads of value do not.
+    assert evict_first_copies(ptx) == loads - cfg.num_levels + rows
     # Staged pixels (and boxes) are read as 16-byte vectors.
     assert "ld.shared.v4" in ptx
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
@@ -203,7 +217,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
     assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=4),
-                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
+                                            line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
@@ -226,9 +241,11 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
 
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
-    # its own setup, up to 16 samples a query; four groups and the setup split beyond
-    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False)),
-    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True)),
+    # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches
+    ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
+                                              line_prefetch=True)),
+    ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
+                                            line_prefetch=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # CTA pairs
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4)),
@@ -308,9 +325,10 @@ def test_the_fused_encoder_launch_takes_six_groups():
     cfg = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
     assert launch_of(cfg, 2, 22223, 22223)[0] == six
     assert dataclasses.replace(cfg, **six) in interface.launch_variants(cfg)
-    # fp32 (three rounds of ranges) too.
+    # fp32 too, in one round (N = 2) or several (N = 4).
     fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
-    changes, _, schedule = launch_of(fp32, 2, 22223, 22223)
+    assert launch_of(fp32, 2, 22223, 22223)[0] == six
+    changes, _, schedule = launch_of(fp32, 4, 22223, 22223)
     assert changes == six and schedule.rounds > 1
 
 
@@ -319,7 +337,8 @@ def test_fp32_value_takes_single_ctas_of_six_groups():
     rounds and for whole segments; the order table keeps CTA pairs."""
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
     cfg = tiled("float32", "float32", "float32", 8, 4, 4, 32)
-    changes, _, schedule = launch_of(cfg, 2, 22223, 22223)
+    assert launch_of(cfg, 2, 22223, 22223)[0] == six
+    changes, _, schedule = launch_of(cfg, 4, 22223, 22223)
     assert changes == six and schedule.rounds > 1
     assert launch_of(cfg, 8, 900, 22223)[0] == six
     assert launch_of(cfg, 48, 15422, 19560)[0] == dict(permuted=True)
@@ -332,8 +351,8 @@ def test_launch_choices_follow_the_caller():
     # Through the order table each group keeps its producer warp (six groups in 1024 threads).
     assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6,
                                                                   gather_batch=2)
-    assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1)
-    assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, line_prefetch=True)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, line_prefetch=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1)
     assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}

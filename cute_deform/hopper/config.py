@@ -81,6 +81,10 @@ class KernelConfig(ProblemConfig):
     # Samples of an L1 level whose loads a thread issues before it sums any of them: more loads in
     # flight a warp, for more registers.
     gather_batch: int = 1
+    # L1 gathers ask L2 for the whole 128-byte line of each corner's row (ld.global.L2::128B): a fp16 head
+    # row is half a line, and the other half is the next head's row of the same pixel. A launch rule
+    # (interface.choose_launch), for where it won.
+    line_prefetch: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -43,8 +43,9 @@ TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloa
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
 TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
 # Launch knobs: the share of L2 that one round of the schedule may spread over (0: one round), and
-# the shortest range a cluster takes in a round, in tiles per group.
-WINDOW_L2_FRACTION = 0.5
+# the shortest range a cluster takes in a round, in tiles per group. All of L2 since the tile inputs are
+# evicted first (seed-b48 3808 / 3806 against 3840 / 3977 us at half, sorted; H100, session 13).
+WINDOW_L2_FRACTION = 1.0
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the sort costs a few launches and
@@ -211,7 +212,8 @@ def _compile_into_cache(cfg) -> str:
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp and batched gathers where ranges are whole segments, to single CTAs with
-    one producer warp (_single_cta's groups and setup) where one round of long ranges runs, and to the order
+    one producer warp (_single_cta's groups and setup, and line_prefetch) where one round of long ranges
+    runs, and to the order
     table (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
@@ -223,7 +225,10 @@ def launch_variants(cfg) -> list:
     if not cfg.l1_first:
         out.append(dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=batch(True, cfg.permuted)))
     if cfg.cluster_size > 1:
-        out.append(dataclasses.replace(cfg, cluster_size=1, **_single_cta(cfg)))
+        single = dict(cluster_size=1, **_single_cta(cfg))
+        if cfg.packed_math and not cfg.fused and not cfg.permuted:
+            single["line_prefetch"] = True  # choose_launch's rule for one round of long ranges
+        out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
     return out
@@ -469,6 +474,12 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
+    if (changes.get("cluster_size") == 1 and schedule.rounds == 1 and not schedule.whole and not permuted
+            and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and "line_prefetch" not in fixed):
+        # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5% (detr-encoder
+        # 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs, H100); where rows
+        # are scattered (decoders) the other half of each line is waste (detr-decoder 64.2 -> 71.6).
+        changes["line_prefetch"] = True
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
         # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long). One

@@ -602,7 +602,8 @@ class MSDAForward:
         pixel_bytes = self.M * self.D * e
         base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                 + (m * self.D + chunk * self.C) * e)
-        top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype)
+        top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype,
+                                          self.cfg.line_prefetch)
         self.gather_points(acc, inputs, level, H, W, top_left, corner, self.cfg.gather_batch)
 
     @cute.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 try:
     import cutlass
     import cutlass.cute as cute
+    from cutlass._mlir import ir
 except Exception:
     pass
 
@@ -150,11 +151,12 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
     return (lambda p: base + p), corner
 
 
-def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype):
+def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False):
     """(first corner's address from its pixel index, one corner's channels) in a level read from global
     memory with 16-byte loads that L1 caches. value_base: this thread's channels of the level's pixel 0
     (an Int64 address). A corner outside the level is a predicated-off load of zeros (cheaper than
-    selecting a 64-bit address of zeros)."""
+    selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines."""
+    vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if line_prefetch else None
     row_bytes = cutlass.Int64(W) * pixel_bytes
 
     @cute.jit
@@ -167,7 +169,12 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v = cute.make_rmem_tensor(cute.make_layout(bilinear.C), value_dtype)
         v.fill(0.0)
         if ok:
-            v.store(bilinear.load(cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)))
+            ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+            if cutlass.const_expr(line_prefetch):
+                line = cute.arch.load(ptr, vector, level_prefetch_size="size_128b")
+                v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
+            else:
+                v.store(bilinear.load(ptr))
         return v.load()
 
     return (lambda p: value_base + cutlass.Int64(p) * pixel_bytes), corner
