@@ -53,9 +53,10 @@ VARIANTS = [
     # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines.
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True)),
-    # Several samples' loads issued before any is summed: the decoders' launch, and without the split.
+    # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
+    # evicted from L1 first), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
-                             gather_batch=4)),
+                             gather_batch=4, finest_evict_first=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
                                       gather_batch=3)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
@@ -115,8 +116,12 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert boxes == (cfg.fine_gather == "tma")
     assert ("tensormap.replace.tile.global_dim" in ptx) == boxes
     if cfg.fine_gather == "ldg":
-        assert re.search(r"ld\.global(\.nc)?(\.L2::128B)?\.v4", ptx), "L1 gathers should be 16-byte vector loads"
+        assert re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4", ptx), \
+            "L1 gathers should be 16-byte vector loads"
     assert ("ld.global.L2::128B.v4" in ptx) == cfg.line_prefetch
+    # One copy of each level's L1 gathers with the evict-first hint, taken where the level is the finest.
+    assert len(re.findall(r"ld\.global\.L1::evict_first\.v4", ptx)) == (
+        cfg.num_levels * cfg.num_points * 4 if cfg.finest_evict_first else 0)
     # Each tile's inputs are read once: their copies carry an L2 cache policy (evict first); the staging
     # loads of value do not.
     assert evict_first_copies(ptx) == loads - cfg.num_levels + rows
@@ -216,7 +221,8 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=4),
+    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=4,
+                                                 finest_evict_first=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
@@ -247,9 +253,9 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
-    # CTA pairs
-    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4)),
-    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4)),
+    # the finest level's lines evicted from L1 first, CTA pairs
+    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)),
+    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
 ])
@@ -353,8 +359,10 @@ def test_launch_choices_follow_the_caller():
                                                                   gather_batch=2)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, line_prefetch=True)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, line_prefetch=True)
-    assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4)
-    assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4,
+                                                                        finest_evict_first=True)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,
+                                                                           finest_evict_first=True)
     assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
     # Rows the consumers read themselves go through the table too; a single tile of queries does not.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)

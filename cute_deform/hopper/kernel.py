@@ -45,6 +45,17 @@ except NameError:
     pass
 
 
+def finest_level(sizes):
+    """The index of the level with the most pixels (the first of equals)."""
+    best, most = cutlass.Int32(0), sizes[0][0] * sizes[0][1]
+    for level in range(1, len(sizes)):
+        pixels = sizes[level][0] * sizes[level][1]
+        more = pixels > most
+        best = cutlass.select_(more, cutlass.Int32(level), best)
+        most = cutlass.select_(more, pixels, most)
+    return best
+
+
 class MSDAForward:
     def __init__(self, config: KernelConfig):
         self.cfg = config
@@ -208,6 +219,7 @@ class MSDAForward:
                 sLevels[level, 2] = starts[level]
                 sLevels[level, 3] = cutlass.Int64(cutlass.select_(staged[level], offsets[level], -1))
             sLevels[self.L, 0] = cutlass.Int64(cutlass.select_(levels_ok, 1, 0))
+            sLevels[self.L, 1] = cutlass.Int64(finest_level(sizes))
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()
@@ -250,7 +262,7 @@ class MSDAForward:
 
     def level_table_in(self, storage):
         """The level table in shared memory: a row (H, W, first pixel, staging offset or -1) per level,
-        then a row whose first entry is 1 when every level fits in value."""
+        then a row of (1 when every level fits in value, the level with the most pixels)."""
         return storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
 
     def input_rings_of(self, storage):
@@ -542,10 +554,17 @@ class MSDAForward:
     @cute.jit
     def gather_unstaged_l1(self, acc, inputs, mValue, sLevels, n, m, chunk):
         """Every level that is not staged, through L1."""
+        finest = cutlass.Int32(sLevels[self.L, 1])
         for level in cutlass.range_constexpr(self.L):
             H, W, start, offset = self.level_row(sLevels, level)
             if offset < 0:
-                self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk)
+                if cutlass.const_expr(self.cfg.finest_evict_first):
+                    if level == finest:
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "evict_first")
+                    else:
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "")
+                else:
+                    self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "")
 
     def level_row(self, sLevels, level: int):
         """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
@@ -594,7 +613,7 @@ class MSDAForward:
                 self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
 
     @cute.jit
-    def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk):
+    def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk, l1_priority: str):
         """All points of one level straight from global memory with 16-byte loads, which L1 caches:
         neighbouring queries of a tile read overlapping footprints."""
         S = mValue.shape[1]
@@ -603,7 +622,7 @@ class MSDAForward:
         base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                 + (m * self.D + chunk * self.C) * e)
         top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype,
-                                          self.cfg.line_prefetch)
+                                          self.cfg.line_prefetch, l1_priority)
         self.gather_points(acc, inputs, level, H, W, top_left, corner, self.cfg.gather_batch)
 
     @cute.jit

@@ -151,12 +151,16 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
     return (lambda p: base + p), corner
 
 
-def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False):
+def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False,
+                   l1_priority: str = ""):
     """(first corner's address from its pixel index, one corner's channels) in a level read from global
     memory with 16-byte loads that L1 caches. value_base: this thread's channels of the level's pixel 0
     (an Int64 address). A corner outside the level is a predicated-off load of zeros (cheaper than
     selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines."""
-    vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if line_prefetch else None
+    hinted = line_prefetch or bool(l1_priority)
+    vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if hinted else None
+    prefetch = "size_128b" if line_prefetch else None
+    priority = l1_priority or None
     row_bytes = cutlass.Int64(W) * pixel_bytes
 
     @cute.jit
@@ -170,8 +174,8 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v.fill(0.0)
         if ok:
             ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-            if cutlass.const_expr(line_prefetch):
-                line = cute.arch.load(ptr, vector, level_prefetch_size="size_128b")
+            if cutlass.const_expr(hinted):
+                line = cute.arch.load(ptr, vector, level_prefetch_size=prefetch, level1_eviction_priority=priority)
                 v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
             else:
                 v.store(bilinear.load(ptr))
