@@ -13,7 +13,9 @@ reorder_queries, generic); the empty variant is the default.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -43,8 +45,13 @@ def variant_name(tuning: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in tuning.items()) or "default"
 
 
-def shapes_of(names: list[str]) -> list:
-    return compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)]))
+def shapes_of(names: list[str], custom: list[str] = ()) -> list:
+    """compare.py's presets, and shapes in compare.py's custom syntax (--levels ... --N ... --Lq ...)."""
+    shapes = compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)])) if names else []
+    for spec in custom:
+        shape = compare.selected_shapes(compare.parse_args(["--presets", ""] + shlex.split(spec)))[-1]
+        shapes.append(dataclasses.replace(shape, name=f"N{shape.N}-Lq{shape.Lq}-P{shape.P}-{shape.locations}"))
+    return shapes
 
 
 def _variant_configs(shapes, variants, dtype, loc_dtype):
@@ -79,7 +86,10 @@ def precompile(shapes, variants, dtype):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default=",".join(compare.PRESETS))
+    p.add_argument("--presets", default=",".join(compare.PRESETS), help="comma list ('' for none)")
+    p.add_argument("--custom", action="append", default=[], metavar="ARGS",
+                   help="a shape in compare.py's custom options, e.g. \"--levels 100x167,50x84 --N 16 --Lq 900 "
+                        "--locations uniform\" (repeatable)")
     p.add_argument("--sweep", default="", help="comma list of variants (see above)")
     p.add_argument("--dtype", choices=tuple(compare.DTYPES), default="fp16")
     p.add_argument("--precompile", action="store_true", help="only compile into the disk cache")
@@ -88,7 +98,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     dtype = compare.DTYPES[args.dtype]
     variants = [parse_variant(spec) for spec in args.sweep.split(",")]
-    shapes = shapes_of([n for n in args.presets.split(",") if n])
+    shapes = shapes_of([n for n in args.presets.split(",") if n], args.custom)
     precompile(shapes, variants, dtype)
     if args.precompile:
         return 0

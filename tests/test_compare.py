@@ -37,3 +37,12 @@ def test_uniform_decoder_reads_a_third_of_its_value():
     fraction = compare.touched_value_rows(shape, loc) / (shape.N * shape.S * shape.M)
     # Level 0 (16,700 pixels) gets 300 queries x 4 points x 4 corners per head: a quarter of its rows.
     assert 0.33 < fraction < 0.42
+
+
+def test_tune_takes_custom_shapes_next_to_presets():
+    import tune
+    shapes = tune.shapes_of(["decoder-b16"], ["--levels 100x167,50x84 --N 16 --Lq 900 --locations uniform",
+                                              "--levels 10x10 --N 2 --P 3 --locations ref"])
+    assert [s.name for s in shapes] == ["decoder-b16", "N16-Lq900-P4-uniform", "N2-Lq100-P3-ref"]
+    assert (shapes[1].N, shapes[1].Lq, shapes[1].levels) == (16, 900, [(100, 167), (50, 84)])
+    assert tune.shapes_of([], [])[:] == []

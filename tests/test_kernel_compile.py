@@ -221,8 +221,8 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    assert variants == [cfg, dataclasses.replace(cfg, l1_first=True, producers=1, gather_batch=4,
-                                                 finest_evict_first=True),
+    whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)
+    assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
@@ -253,9 +253,11 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
-    # the finest level's lines evicted from L1 first, CTA pairs
+    # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments, single CTAs
+    # take one each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)),
-    ("decoder-b16", 16, 300, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)),
+    ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
+                                            finest_evict_first=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
 ])
@@ -266,6 +268,15 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["sms"]
     if preset == "seed-b48":
         assert schedule.rounds > 1
+
+
+def test_whole_segments_go_to_single_ctas_only_one_segment_each():
+    """Single CTAs take whole segments where each gets one, with no more tiles than a CTA of a pair."""
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    for N, Lq, single in ((8, 900, False), (16, 300, True), (16, 900, True), (32, 300, False), (24, 900, False)):
+        changes, grid, schedule = launch_of(cfg, N, Lq, 22223)
+        assert schedule.whole and (changes.get("cluster_size") == 1) == single, (N, Lq)
+    assert "cluster_size" not in launch_of(cfg, 16, 300, 22223, fixed={"cluster_size"})[0]
 
 
 def _wavefronts(addresses, width):

@@ -227,6 +227,8 @@ def launch_variants(cfg) -> list:
         if cfg.packed_math and not cfg.fused and not cfg.permuted and cfg.num_levels > 1:
             whole["finest_evict_first"] = True  # choose_launch's rule for whole segments
         out.append(dataclasses.replace(cfg, **whole))
+        if cfg.cluster_size > 1:  # whole segments in single CTAs
+            out.append(dataclasses.replace(cfg, cluster_size=1, **whole))
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
         if cfg.packed_math and not cfg.fused and not cfg.permuted:
@@ -438,6 +440,20 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
+def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float) -> bool:
+    """Whether single CTAs can each take one whole segment, with no more tiles than a CTA of a cluster of
+    cfg.cluster_size takes where clusters share whole segments."""
+    segments = N * cfg.num_heads
+    blocks = -(-Lq // cfg.queries_per_tile)
+    single = dataclasses.replace(cfg, cluster_size=1)
+    grid, schedule = grid_and_schedule(single, N, Lq, S, sms, l2_bytes, window)
+    if segments > grid or not schedule.whole:
+        return False
+    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
+    clusters = grid // cfg.cluster_size * schedule.rounds
+    return blocks <= -(-segments // clusters) * schedule.rounds * blocks / cfg.cluster_size
+
+
 def _single_cta(cfg) -> dict:
     """The groups, producers and setup of single-CTA launches of cfg (with one producer warp)."""
     if cfg.fused or not cfg.packed_math:
@@ -477,10 +493,20 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
+    if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
+            and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window)):
+        # More segments than pairs, but no more than CTAs (decoder-b16: 128 segments, 66 pairs, 132 CTAs):
+        # each CTA stages and works through one segment instead of a pair staging two in turn, with as
+        # many tiles (H100, two runs: decoder-b16 59.6 -> 54.2 us, N=16 Lq=900 117.5 -> 114.1). With
+        # fewer segments than pairs (detr-decoder's 64) a pair splits each segment's tiles and single CTAs
+        # lost (92 against 61); with two segments a CTA (N=32 Lq=300) they tied (100.9 against 99.8).
+        changes["cluster_size"] = 1
+        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
     if (changes.get("cluster_size") == 1 and schedule.rounds == 1 and not schedule.whole and not permuted
             and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and "line_prefetch" not in fixed):
-        # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5% (detr-encoder
-        # 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs, H100); where rows
+        # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won
+        # 1-2.5% (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
+        # H100); where rows
         # are scattered (decoders) the other half of each line is waste (detr-decoder 64.2 -> 71.6).
         changes["line_prefetch"] = True
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
