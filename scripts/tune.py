@@ -6,6 +6,7 @@ compare.py's, shuffled queries included.
     python scripts/tune.py                                        # the defaults on every preset
     python scripts/tune.py --sweep ",num_groups=4,window_fraction=0" --presets seed-b48,seed-b48-shuffled
     python scripts/tune.py --precompile --sweep ...               # only fill the kernel cache (no GPU needed)
+    python scripts/tune.py --presets "" --custom "--levels 100x167,50x84 --N 16 --Lq 900 --locations uniform"
 
 A variant is a ':'-separated list of knob=value of cute_deform.hopper.interface (TUNING, window_fraction,
 reorder_queries, generic); the empty variant is the default.
