@@ -85,8 +85,8 @@ class KernelConfig(ProblemConfig):
     # row is half a line, and the other half is the next head's row of the same pixel. A launch rule
     # (interface.choose_launch), for where it won.
     line_prefetch: bool = False
-    # L1 gathers of the level with the most pixels load with L1::evict_first, so that the coarser L1 levels'
-    # lines, which scattered queries share more often, stay. A launch rule (interface.choose_launch).
+    # L1 gathers of the level with the most pixels (found at run time) load with L1::evict_first: scattered
+    # queries rarely share its lines. A launch rule for whole segments (interface.choose_launch).
     finest_evict_first: bool = False
 
     def __post_init__(self):

@@ -506,8 +506,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
             and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and "line_prefetch" not in fixed):
         # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won
         # 1-2.5% (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
-        # H100); where rows
-        # are scattered (decoders) the other half of each line is waste (detr-decoder 64.2 -> 71.6).
+        # H100); where rows are scattered (decoders) the other half of each line is waste (detr-decoder
+        # 64.2 -> 71.6).
         changes["line_prefetch"] = True
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
@@ -519,9 +519,11 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
             changes["producers"] = 1
     if (schedule.whole and not permuted and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
             and cfg.num_levels > 1 and "finest_evict_first" not in fixed):
-        # Whole segments (decoders: scattered queries): the finest level's L1 lines are the least shared;
-        # evicted first, they leave L1 to the coarser level (detr-decoder 64.0 -> 61.4 us over three runs,
-        # -ref and decoder-b16 within 1%, H100). Every level evict-first lost (detr-decoder 67).
+        # Whole segments (decoders: scattered queries): the finest level's L1 lines, the least shared,
+        # evict first. Two runs, H100: detr-decoder 64.8 -> 60.8 us, -ref 60.4 -> 58.7, decoder-b16 tied;
+        # H200: 53.8 -> 51.1, 51.5 -> 49.8, 50.2 -> 48.6. ncu: L1 hit rate unchanged, L2 hit rate up and
+        # DRAM reads down (89 -> 84 MB). Every level evict-first lost (detr-decoder 67); on the encoders
+        # and seed-b48, whose fine level neighbouring queries share, it lost 30-50%.
         changes["finest_evict_first"] = True
     batch = _launch_gather_batch(cfg, schedule.whole, permuted)
     if batch > 1 and "gather_batch" not in fixed:
