@@ -230,7 +230,7 @@ def ldg_configs(lib, N, Lq, P, sms, quick, hp=0):
         check(lib, lib.gc_ldg_occupancy(P, tpq, u, hp, ctypes.byref(occ)), "ldg occupancy")
         b = occ.value
         qw = 32 // tpq // (2 if hp else 1)  # queries per warp; a block is 8 warps = 8 (query tile, head) items
-        items = M // 2 if hp else M
+        items = -(-M // 2) if hp else M  # head items, as the kernel counts them
         total_blocks = (N * ((Lq + qw - 1) // qw) * items + 7) // 8
         tag = f"TPQ={tpq} U={u}" + (" head pairs" if hp else "")
         out.append(dict(tpq=tpq, u=u, hp=hp, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))

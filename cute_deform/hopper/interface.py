@@ -224,19 +224,25 @@ def launch_variants(cfg) -> list:
     out = [cfg]
     if not cfg.l1_first:
         whole = dict(l1_first=True, producers=1, gather_batch=batch(True, cfg.permuted))
-        if cfg.packed_math and not cfg.fused and not cfg.permuted and cfg.num_levels > 1:
+        if _hints_measured(cfg, cfg.permuted) and cfg.num_levels > 1:
             whole["finest_evict_first"] = True  # choose_launch's rule for whole segments
         out.append(dataclasses.replace(cfg, **whole))
         if cfg.cluster_size > 1:  # whole segments in single CTAs
             out.append(dataclasses.replace(cfg, cluster_size=1, **whole))
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
-        if cfg.packed_math and not cfg.fused and not cfg.permuted:
+        if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for one round of long ranges
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
     return out
+
+
+def _hints_measured(cfg, permuted: bool) -> bool:
+    """The launches the cache-hint rules (line_prefetch, finest_evict_first) were measured on: fp16/bf16
+    value, unfused, L1 gathers, without the order table."""
+    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
 
 
 def _launch_gather_batch(cfg, whole: bool, permuted: bool) -> int:
@@ -440,18 +446,17 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
 
 
-def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float) -> bool:
+def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, grid: int,
+                         schedule) -> bool:
     """Whether single CTAs can each take one whole segment, with no more tiles than a CTA of a cluster of
-    cfg.cluster_size takes where clusters share whole segments."""
+    cfg.cluster_size takes in cfg's launch (grid, schedule: whole segments)."""
     segments = N * cfg.num_heads
     blocks = -(-Lq // cfg.queries_per_tile)
-    single = dataclasses.replace(cfg, cluster_size=1)
-    grid, schedule = grid_and_schedule(single, N, Lq, S, sms, l2_bytes, window)
-    if segments > grid or not schedule.whole:
-        return False
-    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
-    clusters = grid // cfg.cluster_size * schedule.rounds
-    return blocks <= -(-segments // clusters) * schedule.rounds * blocks / cfg.cluster_size
+    ranges = grid // cfg.cluster_size * schedule.rounds
+    pair_tiles = -(-segments // ranges) * schedule.rounds * blocks / cfg.cluster_size
+    single_grid, single_schedule = grid_and_schedule(dataclasses.replace(cfg, cluster_size=1), N, Lq, S, sms,
+                                                     l2_bytes, window)
+    return segments <= single_grid and single_schedule.whole and blocks <= pair_tiles
 
 
 def _single_cta(cfg) -> dict:
@@ -494,7 +499,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
                 changes.update(more)
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
     if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
-            and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window)):
+            and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window, grid, schedule)):
         # More segments than pairs, but no more than CTAs (decoder-b16: 128 segments, 66 pairs, 132 CTAs):
         # each CTA stages and works through one segment instead of a pair staging two in turn, with as
         # many tiles (H100, two runs: decoder-b16 59.6 -> 54.2 us, N=16 Lq=900 117.5 -> 114.1). With
@@ -502,8 +507,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         # lost (92 against 61); with two segments a CTA (N=32 Lq=300) they tied (100.9 against 99.8).
         changes["cluster_size"] = 1
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
-    if (changes.get("cluster_size") == 1 and schedule.rounds == 1 and not schedule.whole and not permuted
-            and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and "line_prefetch" not in fixed):
+    if (changes.get("cluster_size") == 1 and schedule.rounds == 1 and not schedule.whole
+            and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed):
         # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won
         # 1-2.5% (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
         # H100); where rows are scattered (decoders) the other half of each line is waste (detr-decoder
@@ -517,8 +522,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         changes["l1_first"] = True
         if shared_producer and "producers" not in fixed:
             changes["producers"] = 1
-    if (schedule.whole and not permuted and cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
-            and cfg.num_levels > 1 and "finest_evict_first" not in fixed):
+    if (schedule.whole and _hints_measured(cfg, permuted) and cfg.num_levels > 1
+            and "finest_evict_first" not in fixed):
         # Whole segments (decoders: scattered queries): the finest level's L1 lines, the least shared,
         # evict first. Two runs, H100: detr-decoder 64.8 -> 60.8 us, -ref 60.4 -> 58.7, decoder-b16 tied;
         # H200: 53.8 -> 51.1, 51.5 -> 49.8, 50.2 -> 48.6. ncu: L1 hit rate unchanged, L2 hit rate up and
