@@ -447,6 +447,8 @@ class MSDAForward:
                         corners.append((cutlass.select_(q >= Lq, -2, x0), cutlass.select_(q >= Lq, -2, y0)))
                 for point in cutlass.range_constexpr(self.P):
                     full = rings.acquire(state)
+                    # Every lane's box after the elected lane's expect_tx (the DSL's calling convention).
+                    cute.arch.sync_warp()
                     stage_elems = self.G * 4 * D
                     for j in cutlass.range_constexpr(per_lane):
                         slot = lane + 32 * j
