@@ -38,7 +38,8 @@ SHAPE = ("float16", "float32", "float32", 8, 4, 4, 32)  # value, locations, weig
 VARIANTS = {
     "default": lambda: KernelConfig(*SHAPE, **interface.TUNING),
     "fused": lambda: KernelConfig(*SHAPE, fused=True, **interface.TUNING),
-    "tma boxes": lambda: KernelConfig(*SHAPE, **{**interface.TUNING, "fine_gather": "tma", "num_stages": 3}),
+    "tma boxes": lambda: KernelConfig(*SHAPE, **{**interface.TUNING, "fine_gather": "tma", "num_groups": 4,
+                                                 "num_stages": 3}),
     "no multicast": lambda: KernelConfig(*SHAPE, **{**interface.TUNING, "cluster_size": 1}),
     "generic": lambda: GenericConfig(*SHAPE),
 }

