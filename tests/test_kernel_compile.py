@@ -501,3 +501,15 @@ def test_schedule_covers_every_tile_once_and_bounds_the_window(N, M, blocks, clu
 def test_one_round_without_a_window():
     schedule = tile_scheduler.plan(48 * 8 * 482, 482, 66, 1 << 20, 0, 20, 5)
     assert schedule.rounds == 1
+
+
+@pytest.mark.parametrize("name", ["boxes", "boxes-cluster2-fp32"])
+def test_tma_boxes_are_issued_by_one_lane(ptx_of, name):
+    """Each per-sample box copy sits in lane 0's loop over the warp's boxes, fed by shuffles of the lanes'
+    coordinates: issued by all 32 lanes at once, boxes landed wrong at random (session 15)."""
+    lines = ptx_of[name].splitlines()
+    sites = [i for i, line in enumerate(lines) if "cp.async.bulk.tensor.5d" in line]
+    assert sites
+    for i in sites:
+        before = "\n".join(lines[max(0, i - 12):i])
+        assert "shfl.sync.idx" in before and "bra" in before, f"{name}: box copy at PTX line {i} not in the loop"
