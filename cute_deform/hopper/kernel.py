@@ -454,8 +454,7 @@ class MSDAForward:
                     for j in cutlass.range_constexpr(per_lane):
                         x0, y0 = corners[j * self.P + point]
                         for src in cutlass.range(min(32, self.G - 32 * j), unroll=1):
-                            xs = cute.arch.shuffle_sync(x0, src)
-                            ys = cute.arch.shuffle_sync(y0, src)
+                            xs, ys = share((x0, y0), src, 32)
                             if lane == 0:
                                 dst = sBoxes.iterator + state.index * stage_elems + (src + 32 * j) * (4 * D)
                                 prims.cp_async_bulk_tensor_shared_cta_global(
