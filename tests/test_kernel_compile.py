@@ -239,7 +239,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
 H100 = dict(sms=132, l2_bytes=50 << 20)
 
 
-def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=interface.WINDOW_L2_FRACTION):
+def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     changes, grid, schedule = interface.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], window,
                                                       reorder, frozenset(fixed))
     return changes, grid, schedule
@@ -268,6 +268,16 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["sms"]
     if preset == "seed-b48":
         assert schedule.rounds > 1
+
+
+@pytest.mark.parametrize("N,rounds", [(2, 1), (3, 2), (4, 2), (8, 4)])
+def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
+    """fp16 encoders without the order table take single CTAs in any number of rounds, each round's
+    (image, head) slices within half of L2 (detr shapes: two images in one round)."""
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
+    assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True)
+    assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
 def test_whole_segments_go_to_single_ctas_only_one_segment_each():
@@ -374,7 +384,11 @@ def test_launch_choices_follow_the_caller():
                                                                         finest_evict_first=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,
                                                                            finest_evict_first=True)
-    assert launch_of(cfg, 48, 15422, 19560, reorder=False)[0] == {}
+    # Without the table a large batch also takes single CTAs, over rounds of half of L2 (seed-b48 sorted:
+    # 21 rounds); an explicit window stays.
+    changes, _, schedule = launch_of(cfg, 48, 15422, 19560, reorder=False, window=None)
+    assert changes == dict(cluster_size=1, num_groups=4, producers=1, split_setup=True, line_prefetch=True)
+    assert schedule.rounds > launch_of(cfg, 48, 15422, 19560, reorder=False, window=1.0)[2].rounds
     # Rows the consumers read themselves go through the table too; a single tile of queries does not.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)
     assert launch_of(odd, 4096, 20000, 20000)[0]["permuted"]

@@ -46,6 +46,10 @@ TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 10
 # the shortest range a cluster takes in a round, in tiles per group. All of L2 since the tile inputs are
 # evicted first (seed-b48 3808 / 3806 against 3840 / 3977 us at half, sorted; H100, session 13).
 WINDOW_L2_FRACTION = 1.0
+# The window of single-CTA launches of fp16/bf16 value (unfused, without the order table) over several
+# rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
+# L2, 497 with single CTAs and all of L2; N=2 keeps one round).
+SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the sort costs a few launches and
@@ -466,12 +470,16 @@ def _single_cta(cfg) -> dict:
     return SINGLE_CTA_FEW_SAMPLES if cfg.level_points <= 16 else SINGLE_CTA_MANY_SAMPLES
 
 
-def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, reorder,
+def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window, reorder,
                   fixed: frozenset = frozenset()):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
-    schedule. reorder: True, False or "auto"; fixed: the knobs the caller set, which stay. Several
-    microseconds of Python: _launch asks once per plan and problem size."""
+    schedule. window: the share of L2 a round may spread over, or None for the launch's default;
+    reorder: True, False or "auto"; fixed: the knobs the caller set, which stay. Several microseconds of
+    Python: _launch asks once per plan and problem size."""
     changes = {}
+    given_window = window
+    if window is None:
+        window = WINDOW_L2_FRACTION
     if reorder == "auto":
         reorder = N * Lq * cfg.num_heads * cfg.level_points >= REORDER_MIN_SAMPLES and Lq > cfg.queries_per_tile
     if reorder and cfg.fine_gather == "ldg" and not cfg.permuted:
@@ -482,21 +490,24 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
     shared_producer = cfg.prefetch_inputs and not permuted
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
-                  or (not permuted and ((cfg.fused and not schedule.whole) or not cfg.packed_math)))
+                  or (not permuted and (not schedule.whole or not cfg.packed_math)))
     if single_cta and cfg.cluster_size > 1 and "cluster_size" not in fixed:
         # One round of long ranges (one or two images: encoders): single CTAs, with no cluster barrier
         # at each segment, win (148 against 176 us on detr-encoder, H100), and more so with more groups
         # (_single_cta); for fp16 value multicast staging wins where ranges are short or whole segments
-        # (seed-b48, decoders). The fused kernel takes single CTAs in any number of rounds (the fp32 layer,
-        # three rounds: 228 against 337 us), and fp32 value everywhere but through the order table
-        # (fp32 detr-encoder, three rounds: 204.7 against 239.6 us; detr-decoder, whole segments: 97.1
-        # against 120.5).
+        # (seed-b48, decoders). Without the order table single CTAs also win over several rounds:
+        # the fused kernel (the fp32 layer, three rounds: 228 against 337 us), fp16 value (batched
+        # encoders: N=8 detr shapes 471 against 540 us, with their own window below) and fp32 value
+        # everywhere (fp32 detr-encoder, three rounds: 204.7 against 239.6 us; detr-decoder, whole
+        # segments: 97.1 against 120.5).
         changes["cluster_size"] = 1
         if not fixed & {"num_groups", "producers", "split_setup"}:
             more = _single_cta(cfg) if shared_producer else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
+        if given_window is None and cfg.packed_math and not cfg.fused:
+            window = SINGLE_CTA_WINDOW_L2_FRACTION
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
     if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
             and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window, grid, schedule)):
@@ -507,10 +518,10 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window:
         # lost (92 against 61); with two segments a CTA (N=32 Lq=300) they tied (100.9 against 99.8).
         changes["cluster_size"] = 1
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
-    if (changes.get("cluster_size") == 1 and schedule.rounds == 1 and not schedule.whole
+    if (changes.get("cluster_size") == 1 and not schedule.whole
             and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed):
-        # Single CTAs over one round of long ranges (encoders, dcnv4-test): whole-line L2 fetches won
-        # 1-2.5% (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
+        # Single CTAs over long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5%
+        # (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
         # H100); where rows are scattered (decoders) the other half of each line is waste (detr-decoder
         # 64.2 -> 71.6).
         changes["line_prefetch"] = True
@@ -546,7 +557,7 @@ def launched_config(cfg, N: int, Lq: int, S: int, tuning: dict, sms: int = PLAN_
     choose_launch's changes applied."""
     if not isinstance(cfg, KernelConfig):
         return cfg
-    changes, _, _ = choose_launch(cfg, N, Lq, S, sms, l2_bytes, tuning.get("window_fraction", WINDOW_L2_FRACTION),
+    changes, _, _ = choose_launch(cfg, N, Lq, S, sms, l2_bytes, tuning.get("window_fraction"),
                                   tuning.get("reorder_queries", "auto"), frozenset(static_tuning(tuning)))
     return dataclasses.replace(cfg, **changes)
 
@@ -554,7 +565,7 @@ def launched_config(cfg, N: int, Lq: int, S: int, tuning: dict, sms: int = PLAN_
 def _launch(value, shapes, starts, loc, attn, ref, tuning):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
-    window, reorder = WINDOW_L2_FRACTION, "auto"
+    window, reorder = None, "auto"
     if tuning:
         tuning = dict(tuning)
         window = tuning.pop("window_fraction", window)
