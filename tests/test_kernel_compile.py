@@ -422,22 +422,6 @@ def test_query_order_is_a_spatial_permutation():
     assert all(sorted(order[n].tolist()) == list(range(Lq)) for n in range(N))
 
 
-def test_query_order_is_the_same_for_any_layout():
-    """query_order gathers each query's (x, y) as one word where the layout lets it, else element by element:
-    the same table either way, for every location dtype and for reference points."""
-    gen = torch.Generator().manual_seed(3)
-    for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        loc = torch.rand(3, 70, 8, 2, 4, 2, generator=gen).to(dtype)
-        loc[1, 5, 0, 0, 0, 1] = float("nan")
-        dense = interface.query_order(loc, None)
-        flipped = loc.transpose(-1, -2).contiguous().transpose(-1, -2)  # x and y not adjacent
-        shifted = torch.empty(loc.numel() + 1, dtype=dtype)[1:].view(loc.shape).copy_(loc)  # odd offset
-        assert torch.equal(interface.query_order(flipped, None), dense)
-        assert torch.equal(interface.query_order(shifted, None), dense)
-        ref = torch.rand(3, 70, 2, 4, generator=gen).to(dtype)
-        assert torch.equal(interface.query_order(loc, ref), interface.query_order(loc, ref[..., :2].contiguous()))
-
-
 def test_query_order_of_many_images():
     """From 2^15 images the (image, cell) keys need 64 bits: each image still gets its own queries."""
     N, Lq = 1 << 15, 3

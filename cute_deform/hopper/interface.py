@@ -408,9 +408,6 @@ def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_
         MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2)
 
 
-_PAIR_WORDS = {2: torch.int32, 4: torch.int64}
-
-
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
     """(N, Lq) int64: each image's queries sorted by position, on the device. The position is the
     reference point's (fused) or the first sample's of head 0 at level 0, in a grid of ORDER_CELLS
@@ -419,12 +416,6 @@ def query_order(loc: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
     NaN positions sort last, positions outside [0, 1] at the nearest edge."""
     xy = ref[:, :, 0, :2] if ref is not None else loc[:, :, 0, 0, 0, :]
     N, Lq = xy.shape[:2]
-    # Each (x, y) pair sits in its own row of loc or ref: gathered as one word a query where the layout
-    # lets it, then computed on densely.
-    if xy.stride(-1) == 1 and xy.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in xy.stride()[:-1]):
-        xy = xy.view(_PAIR_WORDS[xy.element_size()]).contiguous().view(xy.dtype)
-    else:
-        xy = xy.contiguous()
     # One flat sort of (image, cell) keys: torch's per-row sort of (N, Lq) was 200 us on seed-b48 (H100).
     wide = N >= 1 << (31 - 2 * ORDER_BITS)
     dtype = torch.int64 if wide else torch.int32
