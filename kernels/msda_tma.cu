@@ -1,9 +1,8 @@
 // tma: each sample's 2x2x32 footprint is one TMA box. Tensor maps per level over value viewed as
 // (N, H_l, W_l, M, D), dims innermost-first [D, M, W, H, N], box [D, 1, 2, 2, 1], coordinates
 // (0, head, x0, y0, n); TMA's out-of-bounds zero fill is the zero padding (x0 or y0 may be -1).
-// One warp per (n, q, head) at a time, persistent over items: lane i finds the box of sample i of a chunk of
-// up to 32 (level, point) samples, lane 0 issues them all, the chunk completes on the warp's mbarrier, then
-// lane = channel accumulates.
+// One warp per (n, q, head) at a time, persistent over items: lane i issues the box of sample i of a chunk of
+// up to 32 (level, point) samples, the chunk completes on the warp's mbarrier, then lane = channel accumulates.
 // Two stages per warp: the next chunk's boxes are in flight while the current one is consumed.
 #include "msda_common.cuh"
 
@@ -71,18 +70,8 @@ __global__ void __launch_bounds__(kTmaWarps * 32) msda_tma_kernel(
     if (f.valid) {
       const int slot = __popc(mask & ((1u << lane) - 1u));
       weights[stage * slots + slot] = make_float4(f.w00, f.w01, f.w10, f.w11);
-    }
-    // A bulk tensor copy is one thread's instruction: lane 0 issues every box, in slot order, with the
-    // coordinates of the lane that holds it (mask is the same in every lane, so every lane shuffles).
-    uint32_t pending = mask;
-    for (int slot = 0; pending; ++slot) {
-      const int src = __ffs(pending) - 1;
-      pending &= pending - 1u;
-      const int box_level = __shfl_sync(0xffffffffu, level, src);
-      const int x0 = __shfl_sync(0xffffffffu, f.x0, src), y0 = __shfl_sync(0xffffffffu, f.y0, src);
-      if (lane == 0)
-        tma_box_5d(tiles + (size_t)(stage * slots + slot) * kBoxBytes, &levels.map[box_level], 0, head, x0, y0, n,
-                   &bars[stage]);
+      tma_box_5d(tiles + (size_t)(stage * slots + slot) * kBoxBytes, &levels.map[level], 0, head, f.x0, f.y0, n,
+                 &bars[stage]);
     }
     __syncwarp();  // the weights are read by every lane after the wait
     return count;
