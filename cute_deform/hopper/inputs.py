@@ -214,3 +214,41 @@ class QueryInputs:
                 return base_w + dx * scale_w, base_h + dy * scale_h, a
             return base_w + dx, base_h + dy, a
         return fused
+
+
+@dataclass(frozen=True)
+class Records:
+    """A tile's samples as records in a stage of its group's ring (KernelConfig.records), written by the
+    producer warp and read by the consumers. A record is four words: the first corner's pixel index in the
+    level times 16 plus a bit per corner in the level, a, and the corner weights as two pairs in value's
+    dtype (Bilinear.setup's record). Sample-major: the eight queries of a warp read 128 contiguous bytes."""
+
+    stage: object  # the stage's Int32 words
+    slot: object  # the query's place in the tile
+    G: int
+    P: int
+    value_dtype: object
+
+    def _words(self, level: int, point: int, slot):
+        index = ((level * self.P + point) * self.G + slot) * 4
+        return cute.make_tensor(self.stage.iterator + cute.assume(index, divby=4), cute.make_layout(4))
+
+    def store(self, level: int, point: int, slot, record):
+        """The producer lane of query `slot` stores one sample's record (one 16-byte store)."""
+        words = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        words[0] = (record[0] << 4) | record[1]
+        cute.recast_tensor(words, cutlass.Float32)[1] = record[2]
+        halves = cute.recast_tensor(words, self.value_dtype)
+        for k in range(2):
+            halves[4 + 2 * k] = record[3 + k][0]
+            halves[5 + 2 * k] = record[3 + k][1]
+        self._words(level, point, slot).store(words.load())
+
+    def read(self, level: int, point: int):
+        """This thread's query's record of one sample, as Bilinear.fetch_record takes it."""
+        words = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+        words.store(self._words(level, point, self.slot).load())
+        first = words[0]
+        a = cute.recast_tensor(words, cutlass.Float32)[1]
+        halves = cute.recast_tensor(words, self.value_dtype)
+        return (first >> 4, first & 15, a, (halves[4], halves[5]), (halves[6], halves[7]))
