@@ -92,7 +92,6 @@ class KernelConfig(ProblemConfig):
     # corner weights) from the tile's inputs in global memory, one lane a query, into the group's ring;
     # consumers read a record a sample and only gather and sum.
     records: bool = False
-    record_loads: str = "cg"  # records: the producer's loads of the inputs, ld.global.cg (L2 only) or .cs (streaming)
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

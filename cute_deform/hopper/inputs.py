@@ -18,7 +18,6 @@ from dataclasses import dataclass
 try:
     import cutlass
     import cutlass.cute as cute
-    from cutlass._mlir import ir
 except Exception:
     pass
 
@@ -253,19 +252,3 @@ class Records:
         a = cute.recast_tensor(words, cutlass.Float32)[1]
         halves = cute.recast_tensor(words, self.value_dtype)
         return (first >> 4, first & 15, a, (halves[4], halves[5]), (halves[6], halves[7]))
-
-
-def stream_row(tensor: cute.Tensor, row, per_row: int, offset, length: int, cop: str):
-    """`length` fp32 elements of a row, loaded past L1 (ld.global.cg or .cs: each input is read once and
-    must not push value out of L1), in 16-byte vectors where the length allows."""
-    out = []
-    vector = 4 if length % 4 == 0 else 1
-    for k in range(0, length, vector):
-        ptr = row_pointer(tensor, row, per_row, offset + k, vector)
-        if vector == 1:
-            out.append(cutlass.Float32(cute.arch.load(ptr, cutlass.Float32, cop=cop)))
-        else:
-            v = cute.arch.load(ptr, ir.VectorType.get([4], cutlass.Float32.mlir_type), cop=cop)
-            t = cute.TensorSSA(v, (4,), cutlass.Float32)
-            out.extend(t[i] for i in range(4))
-    return out

@@ -31,7 +31,7 @@ except Exception:
 
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
-from .inputs import QueryInputs, Records, checked_level, load_row, row_pointer, stream_row
+from .inputs import QueryInputs, Records, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
@@ -138,8 +138,7 @@ class MSDAForward:
 
         cfg = self.cfg
         # The input rings, or with records the record rings (the other kind takes a few words).
-        loc_elems = 8 if cfg.records else cfg.loc_stage_elems * cfg.input_slots
-        attn_elems = 8 if cfg.records else cfg.attn_stage_elems * cfg.input_slots
+        input_elems = 8 if cfg.records else cfg.input_slots
         record_elems = cfg.record_stage_elems * cfg.input_slots if cfg.records else 4
 
         @cute.struct
@@ -152,9 +151,9 @@ class MSDAForward:
             box_ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, cfg.box_ring_elems], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
             loc_ring: cute.struct.Align[
-                cute.struct.MemRange[self.loc_dtype, loc_elems], 128]
+                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * input_elems], 128]
             attn_ring: cute.struct.Align[
-                cute.struct.MemRange[self.attn_dtype, attn_elems], 128]
+                cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * input_elems], 128]
             record_ring: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, record_elems], 128]
 
         self.shared_storage = SharedStorage
@@ -402,16 +401,14 @@ class MSDAForward:
                 if cutlass.const_expr(self.permuted):
                     qc = cutlass.Int32(mOrder[n, qc])
                 row = (cutlass.Int64(n) * Lq + qc) * self.M + m
+                inputs = QueryInputs.create(self.L, self.P, False, 2, ("global", mLoc, mAttn, row), None)
                 records = Records(stage, slot, self.G, self.P, self.value_dtype)
-                cop = self.cfg.record_loads
                 for level in cutlass.range_constexpr(self.L):
                     H, W = sizes[level]
-                    xys = stream_row(mLoc, row, 2 * self.LP, level * 2 * self.P, 2 * self.P, cop)
-                    weights = stream_row(mAttn, row, self.LP, level * self.P, self.P, cop)
+                    points = inputs.level(level, H, W)
                     for point in cutlass.range_constexpr(self.P):
-                        w = xys[2 * point] * cutlass.Float32(W) - 0.5
-                        h = xys[2 * point + 1] * cutlass.Float32(H) - 0.5
-                        records.store(level, point, slot, self.bilinear.setup(w, h, weights[point], H, W))
+                        w, h, a = points(point)
+                        records.store(level, point, slot, self.bilinear.setup(w, h, a, H, W))
         rings.commit(state)
         state.advance(rings.groups)
         return state
