@@ -88,10 +88,6 @@ class KernelConfig(ProblemConfig):
     # L1 gathers of the level with the most pixels (found at run time) load with L1::evict_first: scattered
     # queries rarely share its lines. A launch rule for whole segments (interface.choose_launch).
     finest_evict_first: bool = False
-    # Producer warps compute each sample's record (first corner's pixel index and corner bits, a, the
-    # corner weights) from the tile's inputs in global memory, one lane a query, into the group's ring;
-    # consumers read a record a sample and only gather and sum.
-    records: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
@@ -104,15 +100,11 @@ class KernelConfig(ProblemConfig):
             raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
         if self.permuted and self.fine_gather != "ldg":
             raise ValueError("cute_deform: permuted queries need fine_gather='ldg'")
-        if self.records and (self.fine_gather != "ldg" or self.fused or not self.packed_math):
-            raise ValueError("cute_deform: records need fine_gather='ldg', fp16/bf16 value and the unfused kernel")
         if self.producers and (self.fine_gather != "ldg" or self.num_groups % self.producers):
             raise ValueError(f"cute_deform: producers={self.producers} must divide num_groups={self.num_groups} "
                              "and needs fine_gather='ldg'")
         if self.threads > 1024:
             raise ValueError(f"cute_deform: {self.num_groups} groups need {self.threads} threads a CTA; at most 1024")
-        if self.records and not self.prefetch_inputs:
-            raise ValueError(f"cute_deform: {self.num_groups} groups' record rings do not fit in shared memory")
         if self.smem_bytes > SMEM_PER_SM:
             raise ValueError(f"cute_deform: this configuration needs {self.smem_bytes} bytes of shared memory; "
                              f"an SM has {SMEM_PER_SM}")
@@ -136,7 +128,7 @@ class KernelConfig(ProblemConfig):
     def splits_setup(self) -> bool:
         """Whether the threads of a query split the per-sample setup (split_setup, where T > 1 divides 32)."""
         T = self.threads_per_query
-        return self.split_setup and not self.records and 1 < T <= 32 and 32 % T == 0
+        return self.split_setup and 1 < T <= 32 and 32 % T == 0
 
     @property
     def level_points(self) -> int:
@@ -178,8 +170,6 @@ class KernelConfig(ProblemConfig):
         more than 16 samples a query (dcnv4-test 86.5 against 91.3 us), and lost with 16 (detr-encoder,
         not split, 145.2 against 137.2; the decoders, split, 1%; H100, docs/performance.md, session 12).
         Other launches were not measured with it and keep dense rows."""
-        if self.records:
-            return False
         return self.permuted or (self.level_points > 16 and self.splits_setup and not self.fused)
 
     def _row_elems(self, per_query: int, per_point: int, dtype: str) -> int:
@@ -209,15 +199,7 @@ class KernelConfig(ProblemConfig):
         return self._stage_elems(self.attn_row_elems, self.attn_dtype)
 
     @property
-    def record_stage_elems(self) -> int:
-        """Int32 words of one stage of a record ring: four a sample, sample-major (the queries of a
-        warp read one 128-byte run)."""
-        return 4 * self.queries_per_tile * self.level_points if self.records else 4
-
-    @property
     def input_stage_bytes(self) -> int:
-        if self.records:
-            return 4 * self.record_stage_elems
         return self.loc_stage_elems * ITEMSIZE[self.loc_dtype] + self.attn_stage_elems * ITEMSIZE[self.attn_dtype]
 
     @property
@@ -238,12 +220,11 @@ class KernelConfig(ProblemConfig):
         """With L1 gathers, producer warps load each tile's inputs with two TMA boxes into a ring of
         shared-memory stages, ahead of the consumers. TMA needs rows of a multiple of 16 bytes and the
         rings must leave room for staging; other shapes read their inputs in the consumers."""
-        return (self.fine_gather == "ldg" and (self._inputs_fit_tma or self.records)
+        return (self.fine_gather == "ldg" and self._inputs_fit_tma
                 and self.num_groups * self._group_ring_bytes <= SMEM_PER_SM - 64 * 1024)
 
     @property
     def input_slots(self) -> int:
-        """Stages of all input (or record) rings."""
         return self.num_groups * self.num_stages if self.prefetch_inputs else 1
 
     def _auto_groups(self) -> int:
@@ -255,7 +236,7 @@ class KernelConfig(ProblemConfig):
             return 4
         most = 5 if self.level_points <= 16 else 4
         for groups in range(most, 1, -1):
-            if (not self._inputs_fit_tma and not self.records) or groups * self._group_ring_bytes <= AUTO_RING_BYTES:
+            if not self._inputs_fit_tma or groups * self._group_ring_bytes <= AUTO_RING_BYTES:
                 return groups
         return 1
 
@@ -310,7 +291,7 @@ class KernelConfig(ProblemConfig):
         what shared memory has left after the rings; with rows apart, of the shared memory that keeps L1
         60 KB (one pixel more is the zero pixel)."""
         pixel = self.head_dim * self.itemsize
-        most = SMEM_KEEPING_L1 if self.rows_apart or self.records else SMEM_PER_SM  # measured with rows apart
+        most = SMEM_KEEPING_L1 if self.rows_apart else SMEM_PER_SM  # measured with rows apart only
         budget = min(self.stage_bytes, most - self._smem_without_staging - pixel)
         return max(0, budget) // pixel // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
 

@@ -31,7 +31,7 @@ except Exception:
 
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
-from .inputs import QueryInputs, Records, checked_level, load_row, row_pointer
+from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
@@ -73,7 +73,6 @@ class MSDAForward:
         self.fused = config.fused
         self.permuted = config.permuted
         self.split = config.splits_setup
-        self.records = config.records
         self.value_dtype = DTYPES[config.value_dtype]
         self.loc_dtype = DTYPES[config.loc_dtype]
         self.attn_dtype = DTYPES[config.attn_dtype]
@@ -120,7 +119,7 @@ class MSDAForward:
         stage_box = (D, 1, STAGE_BOX_PIXELS, 1)
         stage_atom, stage_tma = cpasync.make_tiled_tma_atom(stage_op, pixels, cute.make_layout(stage_box), stage_box)
         loc_atom, loc_tma, attn_atom, attn_tma = stage_atom, stage_tma, stage_atom, stage_tma
-        if cutlass.const_expr(self.prefetch and not self.permuted and not self.records):
+        if cutlass.const_expr(self.prefetch and not self.permuted):
             loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems)
             attn_atom, attn_tma = self.input_atom(mAttn, self.LP, self.cfg.attn_row_elems)
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
@@ -137,9 +136,6 @@ class MSDAForward:
             )
 
         cfg = self.cfg
-        # The input rings, or with records the record rings (the other kind takes a few words).
-        input_elems = 8 if cfg.records else cfg.input_slots
-        record_elems = cfg.record_stage_elems * cfg.input_slots if cfg.records else 4
 
         @cute.struct
         class SharedStorage:
@@ -151,10 +147,9 @@ class MSDAForward:
             box_ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, cfg.box_ring_elems], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
             loc_ring: cute.struct.Align[
-                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * input_elems], 128]
+                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * cfg.input_slots], 128]
             attn_ring: cute.struct.Align[
-                cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * input_elems], 128]
-            record_ring: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, record_elems], 128]
+                cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * cfg.input_slots], 128]
 
         self.shared_storage = SharedStorage
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
@@ -185,7 +180,7 @@ class MSDAForward:
         input_rings = None
         if cutlass.const_expr(self.prefetch):
             input_rings = pipeline.GroupRings.create(storage.input_barriers.data_ptr(), self.groups, self.stages,
-                                                     self.cfg.input_bytes, by_threads=self.records)
+                                              self.cfg.input_bytes)
         box_rings = None
         if cutlass.const_expr(self.boxes):
             box_rings = pipeline.GroupRings.create(storage.box_barriers.data_ptr(), self.groups, self.stages,
@@ -194,7 +189,7 @@ class MSDAForward:
         staging.init(warp)
         if warp == 0:
             cpasync.prefetch_descriptor(stage_atom)
-            if cutlass.const_expr(self.prefetch and not self.permuted and not self.records):
+            if cutlass.const_expr(self.prefetch and not self.permuted):
                 cpasync.prefetch_descriptor(loc_atom)
                 cpasync.prefetch_descriptor(attn_atom)
         # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
@@ -270,9 +265,6 @@ class MSDAForward:
         then a row of (1 when every level fits in value, the level with the most pixels)."""
         return storage.levels.get_tensor(cute.make_layout((self.L + 1, 4), stride=(4, 1)))
 
-    def record_ring_of(self, storage):
-        return storage.record_ring.get_tensor(cute.make_layout((self.cfg.record_stage_elems, self.cfg.input_slots)))
-
     def input_rings_of(self, storage):
         cfg = self.cfg
         return (storage.loc_ring.get_tensor(cute.make_layout((cfg.loc_stage_elems, cfg.input_slots))),
@@ -313,10 +305,7 @@ class MSDAForward:
                         tile = base + j * producers
                         if tile < seg_end:
                             q0 = scheduler.first_query(tile, nm, self.G)
-                            if cutlass.const_expr(self.records):
-                                input_states[j] = self.make_records(input_rings, input_states[j], mLoc, mAttn,
-                                                                    mOrder, storage, sizes, n, m, q0)
-                            elif cutlass.const_expr(self.prefetch):
+                            if cutlass.const_expr(self.prefetch):
                                 input_states[j] = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
                                                                    input_rings, input_states[j], mLoc, mAttn, mOrder,
                                                                    n, m, q0)
@@ -383,33 +372,6 @@ class MSDAForward:
             block = q0 // self.G
             self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block)
             self.load_rows(attn_atom, attn_tma, attn_stage, self.cfg.attn_row_elems, full, n, m, block)
-        state.advance(rings.groups)
-        return state
-
-    @cute.jit
-    def make_records(self, rings, state, mLoc, mAttn, mOrder, storage, sizes, n, m, q0):
-        """records: lane j sets up every sample of the tile's queries j, j + 32, ... from their rows in
-        global memory (through the order table where permuted) into a stage of the group's ring."""
-        rings.acquire(state)
-        stage = self.record_ring_of(storage)[None, state.index]
-        Lq = mLoc.shape[1]
-        lane = cute.arch.lane_idx()
-        for base in cutlass.range_constexpr(0, self.G, 32):
-            slot = base + lane
-            if slot < self.G:
-                qc = cutlass.min(q0 + slot, Lq - 1)
-                if cutlass.const_expr(self.permuted):
-                    qc = cutlass.Int32(mOrder[n, qc])
-                row = (cutlass.Int64(n) * Lq + qc) * self.M + m
-                inputs = QueryInputs.create(self.L, self.P, False, 2, ("global", mLoc, mAttn, row), None)
-                records = Records(stage, slot, self.G, self.P, self.value_dtype)
-                for level in cutlass.range_constexpr(self.L):
-                    H, W = sizes[level]
-                    points = inputs.level(level, H, W)
-                    for point in cutlass.range_constexpr(self.P):
-                        w, h, a = points(point)
-                        records.store(level, point, slot, self.bilinear.setup(w, h, a, H, W))
-        rings.commit(state)
         state.advance(rings.groups)
         return state
 
@@ -541,20 +503,14 @@ class MSDAForward:
                     acc.fill(0.0)
                     row = (cutlass.Int64(n) * Lq + qc) * self.M + m
                     source = ("global", mLoc, mAttn, row)
-                    if cutlass.const_expr(self.records):
-                        input_rings.wait(input_state)
-                    elif cutlass.const_expr(self.prefetch):
+                    if cutlass.const_expr(self.prefetch):
                         input_rings.wait(input_state)
                         source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot,
                                   self.cfg.loc_row_elems, self.cfg.attn_row_elems)
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
-                        if cutlass.const_expr(self.records):
-                            inputs = Records(self.record_ring_of(storage)[None, input_state.index], read_slot, self.G,
-                                             self.P, self.value_dtype)
-                        else:
-                            inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
-                                                        (chunk, self.T) if cutlass.const_expr(self.split) else None)
+                        inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
+                                                    (chunk, self.T) if cutlass.const_expr(self.split) else None)
                         # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
                         staged_phase = 0
                         if cutlass.const_expr(self.cfg.alternates):
@@ -636,10 +592,6 @@ class MSDAForward:
         level's last point; split: the last record of a round). Split: this thread sets up its own points
         (chunk, chunk + T, ...), then each point's record comes from the thread that set it up (a shuffle a
         value); point j * T + src is thread src's j-th, so one record of this thread's is live at a time."""
-        if isinstance(inputs, Records):
-            for point in range(self.P):
-                yield self.bilinear.fetch_record(inputs.read(level, point), top_left, corner), point == self.P - 1
-            return
         points = inputs.level(level, H, W)
         if inputs.lanes is None:
             for point in range(self.P):

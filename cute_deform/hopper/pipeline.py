@@ -15,7 +15,7 @@ from dataclasses import dataclass
 try:
     import cutlass
     import cutlass.cute as cute
-    from cutlass.pipeline import Agent, CooperativeGroup, PipelineAsync, PipelineState, PipelineTmaAsync
+    from cutlass.pipeline import Agent, CooperativeGroup, PipelineState, PipelineTmaAsync
 except Exception:
     pass
 
@@ -31,20 +31,10 @@ class GroupRings:
     pipeline: object
     groups: int
     stages: int  # of all groups together
-    by_threads: bool = False  # the producer warp's 32 lanes fill a stage with stores (records), not TMA
 
     @staticmethod
-    def create(barrier_storage, groups: int, stages: int, tx_count: int, by_threads: bool = False) -> "GroupRings":
+    def create(barrier_storage, groups: int, stages: int, tx_count: int) -> "GroupRings":
         # Barrier init by warp 0 (inside create); the kernel fences and syncs once for everything.
-        if by_threads:
-            ring = PipelineAsync.create(
-                num_stages=groups * stages,
-                producer_group=CooperativeGroup(Agent.Thread, 32),
-                consumer_group=CooperativeGroup(Agent.Thread, CONSUMER_WARPS),
-                barrier_storage=barrier_storage,
-                defer_sync=True,
-            )
-            return GroupRings(ring, groups, groups * stages, True)
         ring = PipelineTmaAsync.create(
             num_stages=groups * stages,
             producer_group=CooperativeGroup(Agent.Thread, 1),
@@ -68,11 +58,6 @@ class GroupRings:
         return self.pipeline.producer_get_barrier(state)
 
     @cute.jit
-    def commit(self, state):
-        """Producer (by_threads): every lane arrives after its own stores to the stage."""
-        self.pipeline.producer_commit(state)
-
-    @cute.jit
     def wait(self, state):
         """Consumer: wait until the stage has landed."""
         self.pipeline.consumer_wait(state)
@@ -81,11 +66,7 @@ class GroupRings:
     def release(self, state):
         """Consumer: one arrive per warp (lane 0), after the warp's reads of the stage."""
         cute.arch.sync_warp()
-        if cutlass.const_expr(self.by_threads):
-            if cute.arch.lane_idx() == 0:
-                self.pipeline.consumer_release(state)
-        else:
-            self.pipeline.consumer_release(state)
+        self.pipeline.consumer_release(state)
 
     @cute.jit
     def drain(self, state):
