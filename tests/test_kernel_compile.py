@@ -527,3 +527,12 @@ def test_tma_boxes_are_issued_by_one_lane(ptx_of, name):
     for i in sites:
         before = "\n".join(lines[max(0, i - 12):i])
         assert "shfl.sync.idx" in before and "bra" in before, f"{name}: box copy at PTX line {i} not in the loop"
+
+
+def test_a_kernel_taking_more_shared_memory_than_its_configuration_plans_does_not_compile(monkeypatch):
+    # The host sizes grids, staging and L1's carveout by KernelConfig.smem_bytes; the kernel's shared
+    # storage is checked against it when it compiles.
+    cfg = configs_of("default")
+    monkeypatch.setattr(KernelConfig, "smem_bytes", property(lambda self: 1024))
+    with pytest.raises(RuntimeError, match="more than its configuration plans"):
+        interface.compile_kernel(cfg)

@@ -56,6 +56,12 @@ def finest_level(sizes):
     return best
 
 
+def check_planned_smem(taken: int, planned: int) -> None:
+    if taken > planned:
+        raise RuntimeError(f"cute_deform: the kernel takes {taken} bytes of shared memory, more than its "
+                           f"configuration plans ({planned})")
+
+
 class MSDAForward:
     def __init__(self, config: KernelConfig):
         self.cfg = config
@@ -152,6 +158,9 @@ class MSDAForward:
                 cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * cfg.input_slots], 128]
 
         self.shared_storage = SharedStorage
+        # The host plans with cfg.smem_bytes (CTAs an SM, the staging budget, L1's carveout): it must cover
+        # what the kernel takes.
+        check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mShapes,
                     mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds, whole).launch(
