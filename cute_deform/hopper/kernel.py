@@ -32,7 +32,7 @@ except Exception:
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
-from .sampling import Bilinear, global_corners, share, staged_corners
+from .sampling import L2_EVICT_FIRST, L2_EVICT_LAST, Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
@@ -568,16 +568,21 @@ class MSDAForward:
     def gather_unstaged_l1(self, acc, inputs, mValue, sLevels, n, m, chunk):
         """Every level that is not staged, through L1."""
         finest = cutlass.Int32(sLevels[self.L, 1])
+        hints = self.cfg.l2_hints
+        finest_l1 = "evict_first" if cutlass.const_expr(self.cfg.finest_evict_first) else ""
+        finest_l2 = L2_EVICT_FIRST if cutlass.const_expr(hints in ("finest_first", "both")) else 0
+        others_l2 = L2_EVICT_LAST if cutlass.const_expr(hints in ("others_last", "both")) else 0
         for level in cutlass.range_constexpr(self.L):
             H, W, start, offset = self.level_row(sLevels, level)
             if offset < 0:
-                if cutlass.const_expr(self.cfg.finest_evict_first):
+                if cutlass.const_expr(bool(finest_l1) or bool(hints)):
                     if level == finest:
-                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "evict_first")
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, finest_l1,
+                                             finest_l2)
                     else:
-                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "")
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", others_l2)
                 else:
-                    self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "")
+                    self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", 0)
 
     def level_row(self, sLevels, level: int):
         """(H, W, first pixel, offset in the staging buffer or -1) of one level, from shared memory."""
@@ -626,7 +631,8 @@ class MSDAForward:
                 self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
 
     @cute.jit
-    def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk, l1_priority: str):
+    def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk, l1_priority: str,
+                        l2_policy: int):
         """All points of one level straight from global memory with 16-byte loads, which L1 caches:
         neighbouring queries of a tile read overlapping footprints."""
         S = mValue.shape[1]
@@ -635,7 +641,7 @@ class MSDAForward:
         base = (mValue.iterator.toint() + (cutlass.Int64(n) * S + start) * pixel_bytes
                 + (m * self.D + chunk * self.C) * e)
         top_left, corner = global_corners(self.bilinear, base, W, pixel_bytes, self.value_dtype,
-                                          self.cfg.line_prefetch, l1_priority)
+                                          self.cfg.line_prefetch, l1_priority, l2_policy)
         self.gather_points(acc, inputs, level, H, W, top_left, corner, self.cfg.gather_batch)
 
     @cute.jit

@@ -13,8 +13,13 @@ try:
     import cutlass
     import cutlass.cute as cute
     from cutlass._mlir import ir
+    from cutlass._mlir.dialects import nvvm
 except Exception:
     pass
+
+# L2 eviction policies of createpolicy's encoding (CUTLASS names them EVICT_FIRST and EVICT_LAST).
+L2_EVICT_FIRST = 0x12F0000000000000
+L2_EVICT_LAST = 0x14F0000000000000
 
 
 def share(record, src, lanes: int):
@@ -152,12 +157,13 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
 
 
 def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False,
-                   l1_priority: str = ""):
+                   l1_priority: str = "", l2_policy: int = 0):
     """(first corner's address from its pixel index, one corner's channels) in a level read from global
     memory with 16-byte loads that L1 caches. value_base: this thread's channels of the level's pixel 0
     (an Int64 address). A corner outside the level is a predicated-off load of zeros (cheaper than
-    selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines."""
-    hinted = line_prefetch or bool(l1_priority)
+    selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines;
+    l2_policy: an L2 eviction policy for the loads (0: none)."""
+    hinted = line_prefetch or bool(l1_priority) or bool(l2_policy)
     vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if hinted else None
     prefetch = "size_128b" if line_prefetch else None
     priority = l1_priority or None
@@ -174,7 +180,13 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v.fill(0.0)
         if ok:
             ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-            if cutlass.const_expr(hinted):
+            if cutlass.const_expr(l2_policy != 0):
+                line = nvvm.load_ext(
+                    vector, ptr.llvm_ptr, l2_cache_hint=cutlass.Int64(l2_policy).ir_value(),
+                    evict=nvvm.EvictKind.FIRST if l1_priority == "evict_first" else None,
+                    prefetch=nvvm.L2PrefetchSize.SIZE_128B if line_prefetch else None)
+                v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
+            elif cutlass.const_expr(hinted):
                 line = cute.arch.load(ptr, vector, level_prefetch_size=prefetch, level1_eviction_priority=priority)
                 v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
             else:
