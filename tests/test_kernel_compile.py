@@ -50,9 +50,10 @@ VARIANTS = [
                                     producers=1)),
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
-    # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines.
+    # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines, and keep the levels other than
+    # the finest in L2 (evict-last).
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
-                            producers=1, split_setup=False, line_prefetch=True)),
+                            producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
     # evicted from L1 first), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
@@ -118,7 +119,14 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     if cfg.fine_gather == "ldg":
         assert re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4", ptx), \
             "L1 gathers should be 16-byte vector loads"
-    assert ("ld.global.L2::128B.v4" in ptx) == cfg.line_prefetch
+    assert bool(re.search(r"ld\.global(\.L2::cache_hint)?\.L2::128B\.v4", ptx)) == cfg.line_prefetch
+    # One copy of each level's L1 gathers with the L2 evict-last policy, taken where the level is not the
+    # finest.
+    evict_last = str(kernel.L2_EVICT_LAST)
+    constants = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
+    hinted = re.findall(r"ld\.global\.L2::cache_hint(?:\.L2::128B)?\.v4\.\w+ \{[^}]*\}, \[[^\]]*\], (%rd\d+);", ptx)
+    assert [constants.get(reg) for reg in hinted] == (
+        [evict_last] * (cfg.num_levels * cfg.num_points * 4) if cfg.coarse_evict_last else [])
     # One copy of each level's L1 gathers with the evict-first hint, taken where the level is the finest.
     assert len(re.findall(r"ld\.global\.L1::evict_first\.v4", ptx)) == (
         cfg.num_levels * cfg.num_points * 4 if cfg.finest_evict_first else 0)
@@ -224,7 +232,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                            line_prefetch=True),
+                                            line_prefetch=True, coarse_evict_last=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
@@ -247,11 +255,12 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
 
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
-    # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches
+    # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
+    # the levels other than the finest evict-last in L2
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                              line_prefetch=True)),
+                                              line_prefetch=True, coarse_evict_last=True)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
-                                            line_prefetch=True)),
+                                            line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments, single CTAs
     # take one each of 128
@@ -273,10 +282,12 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
 @pytest.mark.parametrize("N,rounds", [(2, 1), (3, 2), (4, 2), (8, 4)])
 def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     """fp16 encoders without the order table take single CTAs in any number of rounds, each round's
-    (image, head) slices within half of L2 (detr shapes: two images in one round)."""
+    (image, head) slices within half of L2 (detr shapes: two images in one round); only one round keeps
+    the coarser levels evict-last in L2."""
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
-    assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True)
+    assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
+                           **(dict(coarse_evict_last=True) if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
@@ -378,8 +389,11 @@ def test_launch_choices_follow_the_caller():
     # Through the order table each group keeps its producer warp (six groups in 1024 threads).
     assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6,
                                                                   gather_batch=2)
-    assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, line_prefetch=True)
-    assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, line_prefetch=True)
+    hints = dict(line_prefetch=True, coarse_evict_last=True)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, **hints)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, **hints)
+    assert launch_of(cfg, 2, 22223, 22223, fixed={"coarse_evict_last"})[0] == dict(
+        cluster_size=1, num_groups=4, producers=1, split_setup=True, line_prefetch=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4,
                                                                         finest_evict_first=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,

@@ -88,18 +88,15 @@ class KernelConfig(ProblemConfig):
     # L1 gathers of the level with the most pixels (found at run time) load with L1::evict_first: scattered
     # queries rarely share its lines. A launch rule for whole segments (interface.choose_launch).
     finest_evict_first: bool = False
-    # L2 eviction policies of the L1 gathers: "finest_first" (the level with the most pixels evicts first),
-    # "others_last" (the other L1 levels evict last), "both", or "" (none).
-    l2_hints: str = ""
+    # L1 gathers of the levels other than the finest load with the L2 evict-last policy: their lines are
+    # the ones a launch reads again. A launch rule (interface.choose_launch), for where it won.
+    coarse_evict_last: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
             raise ValueError(f"cute_deform: gather_batch must be in [1, {MAX_POINTS}], got {self.gather_batch!r}")
         if self.num_groups == 0:
             object.__setattr__(self, "num_groups", self._auto_groups())
-        if self.l2_hints not in ("", "finest_first", "others_last", "both"):
-            raise ValueError(f"cute_deform: l2_hints must be '', 'finest_first', 'others_last' or 'both', "
-                             f"got {self.l2_hints!r}")
         if self.fine_gather not in ("ldg", "tma"):
             raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
         if self.fused and self.fine_gather != "ldg":

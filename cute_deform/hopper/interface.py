@@ -236,7 +236,8 @@ def launch_variants(cfg) -> list:
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
         if _hints_measured(cfg, cfg.permuted):
-            single["line_prefetch"] = True  # choose_launch's rule for one round of long ranges
+            single["line_prefetch"] = True  # choose_launch's rules for one round of long ranges
+            single["coarse_evict_last"] = True
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
@@ -525,6 +526,14 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # H100); where rows are scattered (decoders) the other half of each line is waste (detr-decoder
         # 64.2 -> 71.6).
         changes["line_prefetch"] = True
+    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
+            and _hints_measured(cfg, permuted) and "coarse_evict_last" not in fixed):
+        # One round of them: the unstaged levels other than the finest stay in L2 (evict-last; over several
+        # rounds they would hold L2 against the next round's slices, unmeasured). Two runs
+        # in opposite orders, H100: dcnv4-test 89.0 / 88.0 -> 86.0 / 85.2 us, detr-encoder 129.6 / 128.7 ->
+        # 128.5 / 128.4, -init 117.2 / 117.4 -> 117.0 / 117.2. Where segments are whole (decoders) it tied,
+        # through the order table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
+        changes["coarse_evict_last"] = True
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
         # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long). One

@@ -32,7 +32,7 @@ except Exception:
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
-from .sampling import L2_EVICT_FIRST, L2_EVICT_LAST, Bilinear, global_corners, share, staged_corners
+from .sampling import L2_EVICT_LAST, Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
@@ -568,19 +568,16 @@ class MSDAForward:
     def gather_unstaged_l1(self, acc, inputs, mValue, sLevels, n, m, chunk):
         """Every level that is not staged, through L1."""
         finest = cutlass.Int32(sLevels[self.L, 1])
-        hints = self.cfg.l2_hints
         finest_l1 = "evict_first" if cutlass.const_expr(self.cfg.finest_evict_first) else ""
-        finest_l2 = L2_EVICT_FIRST if cutlass.const_expr(hints in ("finest_first", "both")) else 0
-        others_l2 = L2_EVICT_LAST if cutlass.const_expr(hints in ("others_last", "both")) else 0
+        coarse_l2 = L2_EVICT_LAST if cutlass.const_expr(self.cfg.coarse_evict_last) else 0
         for level in cutlass.range_constexpr(self.L):
             H, W, start, offset = self.level_row(sLevels, level)
             if offset < 0:
-                if cutlass.const_expr(bool(finest_l1) or bool(hints)):
+                if cutlass.const_expr(self.cfg.finest_evict_first or self.cfg.coarse_evict_last):
                     if level == finest:
-                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, finest_l1,
-                                             finest_l2)
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, finest_l1, 0)
                     else:
-                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", others_l2)
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", coarse_l2)
                 else:
                     self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", 0)
 

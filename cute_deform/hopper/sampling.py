@@ -17,8 +17,7 @@ try:
 except Exception:
     pass
 
-# L2 eviction policies of createpolicy's encoding (CUTLASS names them EVICT_FIRST and EVICT_LAST).
-L2_EVICT_FIRST = 0x12F0000000000000
+# The L2 evict-last policy in createpolicy's encoding (the one CUTLASS names EVICT_LAST).
 L2_EVICT_LAST = 0x14F0000000000000
 
 
