@@ -529,10 +529,10 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
             and _hints_measured(cfg, permuted) and "coarse_evict_last" not in fixed):
         # One round of them: the unstaged levels other than the finest stay in L2 (evict-last; over several
-        # rounds they would hold L2 against the next round's slices, unmeasured). Two runs
-        # in opposite orders, H100: dcnv4-test 89.0 / 88.0 -> 86.0 / 85.2 us, detr-encoder 129.6 / 128.7 ->
-        # 128.5 / 128.4, -init 117.2 / 117.4 -> 117.0 / 117.2. Where segments are whole (decoders) it tied,
-        # through the order table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
+        # rounds they would hold L2 against the next round's slices, unmeasured). Four runs, two calls, H100:
+        # dcnv4-test 88.0-89.0 -> 85.0-86.0 us; the encoders tied (detr-encoder 128.7-129.6 -> 128.4-129.3,
+        # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
+        # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
