@@ -91,8 +91,6 @@ class KernelConfig(ProblemConfig):
     # L1 gathers of the levels other than the finest load with the L2 evict-last policy: their lines are
     # the ones a launch reads again. A launch rule (interface.choose_launch), for where it won.
     coarse_evict_last: bool = False
-    finest_l2_last: bool = False  # experiment: the finest level's L1 gathers L2 evict-last too
-    stage_l2_last: bool = False  # experiment: the staging loads L2 evict-last
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

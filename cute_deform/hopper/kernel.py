@@ -355,9 +355,6 @@ class MSDAForward:
                     if cutlass.const_expr(self.cluster > 1):
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
                                   mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
-                    elif cutlass.const_expr(self.cfg.stage_l2_last):
-                        cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
-                                  cache_policy=cutlass.Int64(L2_EVICT_LAST))
                     else:
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
 
@@ -578,8 +575,7 @@ class MSDAForward:
             if offset < 0:
                 if cutlass.const_expr(self.cfg.finest_evict_first or self.cfg.coarse_evict_last):
                     if level == finest:
-                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, finest_l1,
-                                             L2_EVICT_LAST if cutlass.const_expr(self.cfg.finest_l2_last) else 0)
+                        self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, finest_l1, 0)
                     else:
                         self.gather_level_l1(acc, inputs, mValue, start, H, W, n, m, level, chunk, "", coarse_l2)
                 else:
