@@ -32,13 +32,16 @@ except Exception:
 from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
-from .sampling import L2_EVICT_LAST, Bilinear, global_corners, share, staged_corners
+from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
 # The L2 eviction policy of the tile inputs' copies (the createpolicy encoding CUTLASS names EVICT_FIRST):
 # each row is read once, and with the default policy the stream of them pushed value out of L2.
 INPUTS_L2_POLICY = 0x12F0000000000000
+# The L2 policy of the gathers of the levels other than the finest where KernelConfig.coarse_evict_last
+# (the encoding CUTLASS names EVICT_LAST).
+L2_EVICT_LAST = 0x14F0000000000000
 try:
     DTYPES = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 except NameError:

@@ -17,9 +17,6 @@ try:
 except Exception:
     pass
 
-# The L2 evict-last policy in createpolicy's encoding (the one CUTLASS names EVICT_LAST).
-L2_EVICT_LAST = 0x14F0000000000000
-
 
 def share(record, src, lanes: int):
     """Every value of a record (numbers, or 32-bit vectors) from thread `src` of each aligned run of
