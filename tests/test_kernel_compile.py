@@ -233,6 +233,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
+                                            line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
@@ -550,3 +552,13 @@ def test_a_kernel_taking_more_shared_memory_than_its_configuration_plans_does_no
     monkeypatch.setattr(KernelConfig, "smem_bytes", property(lambda self: 1024))
     with pytest.raises(RuntimeError, match="more than its configuration plans"):
         interface.compile_kernel(cfg)
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_every_launch_of_fp16_value_is_a_variant_the_precompile_covers(P):
+    cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
+    variants = interface.launch_variants(cfg)
+    for N, Lq, S in ((1, 15200, 20197), (2, 22223, 22223), (8, 22223, 22223), (8, 900, 22223), (16, 300, 22223),
+                     (32, 300, 22223), (48, 15422, 19560), (1, 16, 20000)):
+        launched = interface.launched_config(cfg, N, Lq, S, {})
+        assert launched in variants, (N, Lq, S, launched)

@@ -236,8 +236,9 @@ def launch_variants(cfg) -> list:
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
         if _hints_measured(cfg, cfg.permuted):
-            single["line_prefetch"] = True  # choose_launch's rules for one round of long ranges
-            single["coarse_evict_last"] = True
+            single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
+            # ... and over one round, the coarser L1 levels evict-last in L2
+            out.append(dataclasses.replace(cfg, coarse_evict_last=True, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
@@ -245,8 +246,8 @@ def launch_variants(cfg) -> list:
 
 
 def _hints_measured(cfg, permuted: bool) -> bool:
-    """The launches the cache-hint rules (line_prefetch, finest_evict_first) were measured on: fp16/bf16
-    value, unfused, L1 gathers, without the order table."""
+    """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
+    on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
     return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
 
 
