@@ -161,8 +161,8 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
     l2_policy: an L2 eviction policy for the loads (0: none)."""
     hinted = line_prefetch or bool(l1_priority) or bool(l2_policy)
     vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if hinted else None
-    prefetch = "size_128b" if line_prefetch else None
-    priority = l1_priority or None
+    prefetch = nvvm.L2PrefetchSize.SIZE_128B if line_prefetch else None
+    evict = {"": None, "evict_first": nvvm.EvictKind.FIRST}[l1_priority]
     row_bytes = cutlass.Int64(W) * pixel_bytes
 
     @cute.jit
@@ -176,14 +176,9 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v.fill(0.0)
         if ok:
             ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
-            if cutlass.const_expr(l2_policy != 0):
-                line = nvvm.load_ext(
-                    vector, ptr.llvm_ptr, l2_cache_hint=cutlass.Int64(l2_policy).ir_value(),
-                    evict=nvvm.EvictKind.FIRST if l1_priority == "evict_first" else None,
-                    prefetch=nvvm.L2PrefetchSize.SIZE_128B if line_prefetch else None)
-                v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
-            elif cutlass.const_expr(hinted):
-                line = cute.arch.load(ptr, vector, level_prefetch_size=prefetch, level1_eviction_priority=priority)
+            if cutlass.const_expr(hinted):
+                hint = cutlass.Int64(l2_policy).ir_value() if cutlass.const_expr(l2_policy != 0) else None
+                line = nvvm.load_ext(vector, ptr.llvm_ptr, l2_cache_hint=hint, evict=evict, prefetch=prefetch)
                 v.store(cute.TensorSSA(line, (bilinear.C,), value_dtype))
             else:
                 v.store(bilinear.load(ptr))
