@@ -55,9 +55,12 @@ VARIANTS = [
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
-    # evicted from L1 first), and without the split.
+    # evicted from L1 first, the first tiles' inputs issued before the prologue), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
-                             gather_batch=4, finest_evict_first=True)),
+                             gather_batch=4, finest_evict_first=True, early_inputs=True)),
+    # ... and in single CTAs (decoder-b16's launch).
+    ("early-inputs-single-cta", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, l1_first=True,
+                                      producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
                                       gather_batch=3)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
@@ -105,11 +108,18 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     # (channels, head, pixel or query, image); 3-D where one head leaves that mode out), once for each
     # group a producer warp feeds (unrolled); with the order table each lane copies rows of its queries
     # with plain bulk copies (two per 32 queries of a tile).
+    # early_inputs: the copies of each group's first num_stages tiles once more, unrolled, before the prologue.
     served = cfg.num_groups // cfg.producer_warps
+    early = cfg.early_inputs and cfg.prefetch_inputs
+    served *= 1 + (cfg.num_stages if early else 0)
     loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
     assert loads == cfg.num_levels + (2 * served if cfg.prefetch_inputs and not cfg.permuted else 0)
     rows = len(re.findall(r"^\s*cp\.async\.bulk\.shared::cluster\.global", ptx, re.M))
     assert rows == (2 * -(-cfg.queries_per_tile // 32) * served if cfg.permuted and cfg.prefetch_inputs else 0)
+    if early:
+        # Issued after one CTA barrier (the rings' barriers initialised), before the prologue's barrier.
+        head = ptx[:ptx.index("cp.async.bulk.tensor")]
+        assert head.count("bar.sync") == 1 and "barrier.cluster" not in head
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
     # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
@@ -229,7 +239,7 @@ def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
-    whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)
+    whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True),
@@ -266,9 +276,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments, single CTAs
     # take one each of 128
-    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True)),
+    ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
+                                            early_inputs=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
-                                            finest_evict_first=True)),
+                                            finest_evict_first=True, early_inputs=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
 ])
@@ -397,8 +408,10 @@ def test_launch_choices_follow_the_caller():
     assert launch_of(cfg, 2, 22223, 22223, fixed={"coarse_evict_last"})[0] == dict(
         cluster_size=1, num_groups=4, producers=1, split_setup=True, line_prefetch=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4,
-                                                                        finest_evict_first=True)
+                                                                        finest_evict_first=True, early_inputs=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,
+                                                                           finest_evict_first=True, early_inputs=True)
+    assert launch_of(cfg, 8, 900, 22223, fixed={"early_inputs"})[0] == dict(l1_first=True, producers=1, gather_batch=4,
                                                                            finest_evict_first=True)
     # Without the table a large batch also takes single CTAs, over rounds of half of L2 (seed-b48 sorted:
     # 21 rounds); an explicit window stays.

@@ -91,6 +91,10 @@ class KernelConfig(ProblemConfig):
     # L1 gathers of the levels other than the finest load with the L2 evict-last policy: their lines are
     # the ones a launch reads again. A launch rule (interface.choose_launch), for where it won.
     coarse_evict_last: bool = False
+    # The producer warps issue the inputs of round 0's first tiles before the prologue (the level table
+    # and the cluster barrier), which they need neither of, and the first segment skips its segment
+    # barrier (the prologue's orders its staging). A launch rule for whole segments (interface.choose_launch).
+    early_inputs: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -215,10 +215,10 @@ def _compile_into_cache(cfg) -> str:
 
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
-    gather order, one producer warp, batched gathers and finest_evict_first where ranges are whole segments,
-    to single CTAs with one producer warp (_single_cta's groups and setup, and line_prefetch) where one round
-    of long ranges runs, and to the order table (batched gathers) for large problems. (Rarer combinations
-    compile when first met.)"""
+    gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
+    whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, and line_prefetch)
+    where one round of long ranges runs, and to the order table (batched gathers) for large problems. (Rarer
+    combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
 
@@ -228,8 +228,11 @@ def launch_variants(cfg) -> list:
     out = [cfg]
     if not cfg.l1_first:
         whole = dict(l1_first=True, producers=1, gather_batch=batch(True, cfg.permuted))
-        if _hints_measured(cfg, cfg.permuted) and cfg.num_levels > 1:
-            whole["finest_evict_first"] = True  # choose_launch's rule for whole segments
+        if _hints_measured(cfg, cfg.permuted):  # choose_launch's rules for whole segments
+            if cfg.prefetch_inputs:
+                whole["early_inputs"] = True
+            if cfg.num_levels > 1:
+                whole["finest_evict_first"] = True
         out.append(dataclasses.replace(cfg, **whole))
         if cfg.cluster_size > 1:  # whole segments in single CTAs
             out.append(dataclasses.replace(cfg, cluster_size=1, **whole))
@@ -551,6 +554,12 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # DRAM reads down (89 -> 84 MB). Every level evict-first lost (detr-decoder 67); on the encoders
         # and seed-b48, whose fine level neighbouring queries share, it lost 30-50%.
         changes["finest_evict_first"] = True
+    if schedule.whole and _hints_measured(cfg, permuted) and cfg.prefetch_inputs and "early_inputs" not in fixed:
+        # Whole segments (decoders): the first tiles' inputs issued before the prologue and no segment
+        # barrier before the first segment. Four runs in two calls, H100 (session 18): detr-decoder
+        # 60.2-61.2 -> 59.2-60.2 us, -ref 58.5-59.3 -> 57.4-57.9, decoder-b16 54.8-55.0 -> 53.5-54.8. It lost
+        # 5% on dcnv4-test and tied on the encoders (single CTAs over one long range).
+        changes["early_inputs"] = True
     batch = _launch_gather_batch(cfg, schedule.whole, permuted)
     if batch > 1 and "gather_batch" not in fixed:
         changes["gather_batch"] = batch

@@ -87,6 +87,7 @@ class MSDAForward:
         self.attn_dtype = DTYPES[config.attn_dtype]
         self.bilinear = Bilinear(self.value_dtype, self.C, config.packed_math)
         self.consumer_threads = CONSUMER_WARPS * 32
+        self.early_inputs = config.early_inputs and self.prefetch and not self.boxes
         self.threads = config.threads
 
     # ------------------------------------------------------------------------------------------------
@@ -204,6 +205,22 @@ class MSDAForward:
             if cutlass.const_expr(self.prefetch and not self.permuted):
                 cpasync.prefetch_descriptor(loc_atom)
                 cpasync.prefetch_descriptor(attn_atom)
+        Lq = mLoc.shape[1]
+        blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
+        clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
+        scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M)
+        rank = cutlass.Int32(0)
+        if cutlass.const_expr(self.cluster > 1):
+            rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
+        consumer_warps = self.groups * CONSUMER_WARPS
+        if cutlass.const_expr(self.early_inputs):
+            # The rings' barriers, initialised by warp 0, are visible to the producer warps, which then
+            # issue the first tiles' inputs while the level table loads (they need neither it nor the peer).
+            cute.arch.mbarrier_init_fence()
+            cute.arch.barrier()
+            if warp >= consumer_warps:
+                self.issue_first_inputs(warp - consumer_warps, loc_atom, loc_tma, attn_atom, attn_tma, mLoc, mAttn,
+                                        mOrder, storage, input_rings, scheduler, rank)
         # A zero pixel after the staged levels: where an out-of-level corner of a staged sample reads.
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * D))
         if tidx < D:
@@ -239,15 +256,6 @@ class MSDAForward:
         else:
             cute.arch.barrier()
 
-        Lq = mLoc.shape[1]
-        blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
-        clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
-        scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M)
-        rank = cutlass.Int32(0)
-        if cutlass.const_expr(self.cluster > 1):
-            rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
-
-        consumer_warps = self.groups * CONSUMER_WARPS
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
                           box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging,
@@ -298,21 +306,29 @@ class MSDAForward:
         sLoc, sAttn = self.input_rings_of(storage)
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * self.D))
         input_states = None
+        step = self.groups * self.cluster
         if cutlass.const_expr(self.prefetch):
             input_states = [input_rings.producer_state(p + j * producers) for j in range(served)]
+            if cutlass.const_expr(self.early_inputs):
+                for j in cutlass.range_constexpr(served):
+                    issued = self.first_inputs_issued(p, j, scheduler, rank)
+                    input_states[j].advance(cutlass.Int32(issued * self.groups))
         box_state = box_rings.producer_state(p) if cutlass.const_expr(self.boxes) else None
         segment = cutlass.Int32(0)
         for round_ in cutlass.range(rounds, unroll=1):
             t, t_end = scheduler.range_of(round_)
             while t < t_end:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
-                pipeline.segment_sync(self.cluster)
+                self.segment_sync(segment)
                 if p == 0:
                     self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
                                       n, m, rank)
                 # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
                 first = t + rank * self.groups + p
-                for base in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                if cutlass.const_expr(self.early_inputs):
+                    # Round 0's first segment: the first `stages` tiles of each group went out early.
+                    first = first + cutlass.select_(segment + round_ == 0, self.stages * step, 0)
+                for base in cutlass.range(first, seg_end, step, unroll=1):
                     for j in cutlass.range_constexpr(served):
                         tile = base + j * producers
                         if tile < seg_end:
@@ -335,6 +351,46 @@ class MSDAForward:
         # it, and a CTA must not exit with TMA (or a peer's multicast) still writing into it.
         if p == 0 and segment > 0:
             staging.wait(segment - 1)
+
+    @cute.jit
+    def segment_sync(self, segment):
+        """pipeline.segment_sync before every segment; with early_inputs not before the first, whose staging
+        the prologue's barrier already orders."""
+        if cutlass.const_expr(self.cfg.early_inputs):
+            if segment > 0:
+                pipeline.segment_sync(self.cluster)
+        else:
+            pipeline.segment_sync(self.cluster)
+
+    @cute.jit
+    def first_inputs_issued(self, p, j: int, scheduler, rank):
+        """How many tiles' inputs issue_first_inputs issued for producer warp p's j-th group: of its first
+        `stages` tiles in round 0's first segment, those inside the segment (none without round 0 work)."""
+        t, t_end = scheduler.range_of(0)
+        _, seg_end, _, _ = scheduler.segment_at(t, t_end)
+        step = self.groups * self.cluster
+        tile = t + rank * self.groups + p + j * self.cfg.producer_warps
+        ahead = cutlass.max(seg_end - tile + step - 1, 0) // step
+        return cutlass.select_(t < t_end, cutlass.min(ahead, self.stages), 0)
+
+    @cute.jit
+    def issue_first_inputs(self, p, loc_atom, loc_tma, attn_atom, attn_tma, mLoc, mAttn, mOrder, storage,
+                           input_rings, scheduler, rank):
+        """early_inputs: producer warp p issues the inputs of each of its groups' first `stages` tiles of round
+        0's first segment (the ring's free stages), before the prologue."""
+        producers = self.cfg.producer_warps
+        sLoc, sAttn = self.input_rings_of(storage)
+        t, t_end = scheduler.range_of(0)
+        nm, seg_end, n, m = scheduler.segment_at(t, t_end)
+        step = self.groups * self.cluster
+        for j in cutlass.range_constexpr(self.groups // producers):
+            state = input_rings.producer_state(p + j * producers)
+            for k in cutlass.range_constexpr(self.stages):
+                tile = t + rank * self.groups + p + j * producers + k * step
+                if tile < seg_end:
+                    q0 = scheduler.first_query(tile, nm, self.G)
+                    state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, input_rings, state,
+                                             mLoc, mAttn, mOrder, n, m, q0)
 
     @cute.jit
     def stage_levels(self, stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used, n, m, rank):
@@ -502,7 +558,7 @@ class MSDAForward:
             t, t_end = scheduler.range_of(round_)
             while t < t_end:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
-                pipeline.segment_sync(self.cluster)
+                self.segment_sync(segment)
                 first = t + rank * self.groups + g
                 for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
                     q0 = scheduler.first_query(tile, nm, self.G)
