@@ -108,10 +108,10 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     # (channels, head, pixel or query, image); 3-D where one head leaves that mode out), once for each
     # group a producer warp feeds (unrolled); with the order table each lane copies rows of its queries
     # with plain bulk copies (two per 32 queries of a tile).
-    # early_inputs: the copies of each group's first num_stages tiles once more, unrolled, before the prologue.
+    # early_inputs: each group's copies once more, in a loop over its first tiles before the prologue.
     served = cfg.num_groups // cfg.producer_warps
     early = cfg.early_inputs and cfg.prefetch_inputs
-    served *= 1 + (cfg.num_stages if early else 0)
+    served *= 2 if early else 1
     loads = len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.[34]d", ptx, re.M))
     assert loads == cfg.num_levels + (2 * served if cfg.prefetch_inputs and not cfg.permuted else 0)
     rows = len(re.findall(r"^\s*cp\.async\.bulk\.shared::cluster\.global", ptx, re.M))

@@ -311,7 +311,7 @@ class MSDAForward:
             input_states = [input_rings.producer_state(p + j * producers) for j in range(served)]
             if cutlass.const_expr(self.early_inputs):
                 for j in cutlass.range_constexpr(served):
-                    issued = self.first_inputs_issued(p, j, scheduler, rank)
+                    _, issued, _, _, _ = self.first_tiles(p, j, scheduler, rank)
                     input_states[j].advance(cutlass.Int32(issued * self.groups))
         box_state = box_rings.producer_state(p) if cutlass.const_expr(self.boxes) else None
         segment = cutlass.Int32(0)
@@ -363,34 +363,31 @@ class MSDAForward:
             pipeline.segment_sync(self.cluster)
 
     @cute.jit
-    def first_inputs_issued(self, p, j: int, scheduler, rank):
-        """How many tiles' inputs issue_first_inputs issued for producer warp p's j-th group: of its first
-        `stages` tiles in round 0's first segment, those inside the segment (none without round 0 work)."""
+    def first_tiles(self, p, j: int, scheduler, rank):
+        """early_inputs: producer warp p's j-th group's first tile in round 0's first segment, how many of the
+        group's tiles from it the ring's free stages take (those inside the segment, at most `stages`; none
+        without round 0 work), and the segment's (image, head) index, image and head."""
         t, t_end = scheduler.range_of(0)
-        _, seg_end, _, _ = scheduler.segment_at(t, t_end)
+        nm, seg_end, n, m = scheduler.segment_at(t, t_end)
         step = self.groups * self.cluster
         tile = t + rank * self.groups + p + j * self.cfg.producer_warps
         ahead = cutlass.max(seg_end - tile + step - 1, 0) // step
-        return cutlass.select_(t < t_end, cutlass.min(ahead, self.stages), 0)
+        return tile, cutlass.select_(t < t_end, cutlass.min(ahead, self.stages), 0), nm, n, m
 
     @cute.jit
     def issue_first_inputs(self, p, loc_atom, loc_tma, attn_atom, attn_tma, mLoc, mAttn, mOrder, storage,
                            input_rings, scheduler, rank):
-        """early_inputs: producer warp p issues the inputs of each of its groups' first `stages` tiles of round
-        0's first segment (the ring's free stages), before the prologue."""
+        """early_inputs: producer warp p issues the inputs of its groups' first tiles (first_tiles), before the
+        prologue."""
         producers = self.cfg.producer_warps
         sLoc, sAttn = self.input_rings_of(storage)
-        t, t_end = scheduler.range_of(0)
-        nm, seg_end, n, m = scheduler.segment_at(t, t_end)
-        step = self.groups * self.cluster
         for j in cutlass.range_constexpr(self.groups // producers):
+            tile, count, nm, n, m = self.first_tiles(p, j, scheduler, rank)
             state = input_rings.producer_state(p + j * producers)
-            for k in cutlass.range_constexpr(self.stages):
-                tile = t + rank * self.groups + p + j * producers + k * step
-                if tile < seg_end:
-                    q0 = scheduler.first_query(tile, nm, self.G)
-                    state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, input_rings, state,
-                                             mLoc, mAttn, mOrder, n, m, q0)
+            for k in cutlass.range(count, unroll=1):
+                q0 = scheduler.first_query(tile + k * (self.groups * self.cluster), nm, self.G)
+                state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, input_rings, state,
+                                         mLoc, mAttn, mOrder, n, m, q0)
 
     @cute.jit
     def stage_levels(self, stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used, n, m, rank):
