@@ -76,6 +76,7 @@ class MSDAForward:
         self.stages = config.num_stages
         self.groups = config.num_groups
         self.cluster = config.cluster_size
+        self.tile_stride = self.groups * self.cluster  # tiles from one of a group's tiles to its next
         self.stage_pixels = config.stage_pixels
         self.boxes = config.fine_gather == "tma"
         self.prefetch = config.prefetch_inputs
@@ -306,7 +307,6 @@ class MSDAForward:
         sLoc, sAttn = self.input_rings_of(storage)
         sStaged = storage.staged.get_tensor(cute.make_layout((self.stage_pixels + 1) * self.D))
         input_states = None
-        step = self.groups * self.cluster
         if cutlass.const_expr(self.prefetch):
             input_states = [input_rings.producer_state(p + j * producers) for j in range(served)]
             if cutlass.const_expr(self.early_inputs):
@@ -327,8 +327,8 @@ class MSDAForward:
                 first = t + rank * self.groups + p
                 if cutlass.const_expr(self.early_inputs):
                     # Round 0's first segment: the first `stages` tiles of each group went out early.
-                    first = first + cutlass.select_(segment + round_ == 0, self.stages * step, 0)
-                for base in cutlass.range(first, seg_end, step, unroll=1):
+                    first = first + cutlass.select_(segment + round_ == 0, self.stages * self.tile_stride, 0)
+                for base in cutlass.range(first, seg_end, self.tile_stride, unroll=1):
                     for j in cutlass.range_constexpr(served):
                         tile = base + j * producers
                         if tile < seg_end:
@@ -369,9 +369,8 @@ class MSDAForward:
         without round 0 work), and the segment's (image, head) index, image and head."""
         t, t_end = scheduler.range_of(0)
         nm, seg_end, n, m = scheduler.segment_at(t, t_end)
-        step = self.groups * self.cluster
         tile = t + rank * self.groups + p + j * self.cfg.producer_warps
-        ahead = cutlass.max(seg_end - tile + step - 1, 0) // step
+        ahead = cutlass.max(seg_end - tile + self.tile_stride - 1, 0) // self.tile_stride
         return tile, cutlass.select_(t < t_end, cutlass.min(ahead, self.stages), 0), nm, n, m
 
     @cute.jit
@@ -385,7 +384,7 @@ class MSDAForward:
             tile, count, nm, n, m = self.first_tiles(p, j, scheduler, rank)
             state = input_rings.producer_state(p + j * producers)
             for k in cutlass.range(count, unroll=1):
-                q0 = scheduler.first_query(tile + k * (self.groups * self.cluster), nm, self.G)
+                q0 = scheduler.first_query(tile + k * self.tile_stride, nm, self.G)
                 state = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, input_rings, state,
                                          mLoc, mAttn, mOrder, n, m, q0)
 
@@ -557,7 +556,7 @@ class MSDAForward:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
                 self.segment_sync(segment)
                 first = t + rank * self.groups + g
-                for tile in cutlass.range(first, seg_end, self.groups * self.cluster, unroll=1):
+                for tile in cutlass.range(first, seg_end, self.tile_stride, unroll=1):
                     q0 = scheduler.first_query(tile, nm, self.G)
                     # q: the query's place in the tile sequence; qc: the query whose row it reads and writes.
                     q = q0 + slot
@@ -579,7 +578,7 @@ class MSDAForward:
                         # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
                         staged_phase = 0
                         if cutlass.const_expr(self.cfg.alternates):
-                            staged_phase = ((tile - first) // (self.groups * self.cluster) + g) % 2
+                            staged_phase = ((tile - first) // self.tile_stride + g) % 2
                         box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
                                                      box_state, storage, segment, n, m, read_slot, chunk,
                                                      staged_phase)
