@@ -4,7 +4,7 @@
 # share of a BUDGET-second total so the call ends inside its limit. Logs under $OUT; a summary last.
 # On the device machine:  source .device/activate.sh && bash scripts/gpu_all.sh
 # STEPS picks steps (default: all), e.g. STEPS="sweep compare"; SWEEP, PRESETS, IMPLS and PYTEST_K (a -k
-# expression for the test grid) pass through.
+# expression for the test grid) pass through; TUNE_ARGS adds arguments to tune.py (e.g. --custom "...").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_all_out}
@@ -34,7 +34,9 @@ case " $STEPS " in *" compare "*)
     (python3 scripts/baselines.py >"$OUT/build-baselines.log" 2>&1; python3 scripts/peers.py >"$OUT/build-dcnv4.log" 2>&1) &
     BUILDS=$! ;;
 esac
-step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}"
+TUNE_EXTRA=()
+[ -n "${TUNE_ARGS:-}" ] && eval "TUNE_EXTRA=($TUNE_ARGS)"
+step sweep 200 python3 scripts/tune.py --presets "${PRESETS:-$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import compare; print(",".join(compare.PRESETS))')}" --sweep "${SWEEP:-}" "${TUNE_EXTRA[@]}"
 [ -n "$BUILDS" ] && wait $BUILDS
 step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-classic-fp32,vec,dcnv4,cute}" --csv "$OUT/compare.csv"
 # A kernel fault is sticky for its process: the per-sample box path, the rest of the kernel grid, the op

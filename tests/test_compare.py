@@ -46,3 +46,18 @@ def test_tune_takes_custom_shapes_next_to_presets():
     assert [s.name for s in shapes] == ["decoder-b16", "N16-Lq900-P4-uniform", "N2-Lq100-P3-ref"]
     assert (shapes[1].N, shapes[1].Lq, shapes[1].levels) == (16, 900, [(100, 167), (50, 84)])
     assert tune.shapes_of([], [])[:] == []
+
+
+def test_ncu_dirty_l2_replays_the_whole_script_without_flushing(monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    for mode in ("flushed", "dirty"):
+        argv = ["--presets", "detr-decoder", "--ncu", "cute", "--ncu-l2", mode]
+        assert compare.ncu_parent(compare.parse_args(argv), argv) == 0
+    flushed, dirty = calls
+    assert flushed[flushed.index("--cache-control") + 1] == "all" and "--replay-mode" not in flushed
+    assert dirty[dirty.index("--cache-control") + 1] == "none"
+    assert dirty[dirty.index("--replay-mode") + 1] == "application"
+    # The child keeps the L2 mode (it zeroes the 256 MB buffer) and profiles what the parent asked for.
+    assert dirty[dirty.index("--ncu-l2") + 1] == "dirty" and dirty[dirty.index("--ncu-child") + 1] == "cute"
+    assert "--ncu" not in dirty
