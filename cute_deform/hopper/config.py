@@ -95,10 +95,16 @@ class KernelConfig(ProblemConfig):
     # and the cluster barrier), which they need neither of, and the first segment skips its segment
     # barrier (the prologue's orders its staging). A launch rule for whole segments (interface.choose_launch).
     early_inputs: bool = False
+    # Bytes of value a thread loads per corner: 16 (the default) or 8 (twice the threads a query, half the
+    # queries a tile).
+    vector_bytes: int = 16
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
             raise ValueError(f"cute_deform: gather_batch must be in [1, {MAX_POINTS}], got {self.gather_batch!r}")
+        if self.vector_bytes not in (8, 16) or self.head_dim * self.itemsize % self.vector_bytes:
+            raise ValueError(f"cute_deform: vector_bytes must be 8 or 16 and divide a head row "
+                             f"({self.head_dim * self.itemsize} bytes), got {self.vector_bytes!r}")
         if self.num_groups == 0:
             object.__setattr__(self, "num_groups", self._auto_groups())
         if self.fine_gather not in ("ldg", "tma"):
@@ -118,12 +124,12 @@ class KernelConfig(ProblemConfig):
 
     # --- sizes of a tile -------------------------------------------------------------------------
     @property
-    def channels_per_thread(self) -> int:  # one 16-byte vector of value per thread and corner
-        return 16 // self.itemsize
+    def channels_per_thread(self) -> int:  # one vector of value per thread and corner
+        return self.vector_bytes // self.itemsize
 
     @property
     def threads_per_query(self) -> int:
-        return self.head_dim * self.itemsize // 16
+        return self.head_dim * self.itemsize // self.vector_bytes
 
     @property
     def queries_per_tile(self) -> int:

@@ -175,7 +175,8 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v = cute.make_rmem_tensor(cute.make_layout(bilinear.C), value_dtype)
         v.fill(0.0)
         if ok:
-            ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=16)
+            align = bilinear.C * value_dtype.width // 8
+            ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
             if cutlass.const_expr(hinted):
                 hint = cutlass.Int64(l2_policy).ir_value() if cutlass.const_expr(l2_policy != 0) else None
                 line = nvvm.load_ext(vector, ptr.llvm_ptr, l2_cache_hint=hint, evict=evict, prefetch=prefetch)
