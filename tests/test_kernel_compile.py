@@ -61,6 +61,8 @@ VARIANTS = [
     # ... and in single CTAs (decoder-b16's launch).
     ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
                            finest_evict_first=True, early_inputs=True, vector_bytes=8)),
+    ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
+                                               vector_bytes=8)),
     ("early-inputs-single-cta", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, l1_first=True,
                                       producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
@@ -129,28 +131,28 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     assert boxes == (cfg.fine_gather == "tma")
     assert ("tensormap.replace.tile.global_dim" in ptx) == boxes
     # L1 gathers load one vector of cfg.vector_bytes a corner (v4 / v2 of 32-bit words), and no wider.
-    vec = {16: "v4", 8: "v2"}[cfg.vector_bytes]
+    vec = {16: ".v4", 8: ".v2"}[cfg.vector_bytes]
     if cfg.fine_gather == "ldg":
-        assert re.search(rf"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.{vec}\.b32", ptx), \
+        assert re.search(rf"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?{vec}\.b32", ptx), \
             f"L1 gathers should be {cfg.vector_bytes}-byte vector loads"
-        if cfg.vector_bytes == 8:
+        if cfg.vector_bytes < 16:
             assert not re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4", ptx)
-    assert bool(re.search(rf"ld\.global(\.L2::cache_hint)?\.L2::128B\.{vec}", ptx)) == cfg.line_prefetch
+    assert bool(re.search(rf"ld\.global(\.L2::cache_hint)?\.L2::128B{vec}", ptx)) == cfg.line_prefetch
     # One copy of each level's L1 gathers with the L2 evict-last policy, taken where the level is not the
     # finest.
     evict_last = str(kernel.L2_EVICT_LAST)
     constants = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
-    hinted = re.findall(rf"ld\.global\.L2::cache_hint(?:\.L2::128B)?\.{vec}\.\w+ \{{[^}}]*\}}, \[[^\]]*\], (%rd\d+);", ptx)
+    hinted = re.findall(rf"ld\.global\.L2::cache_hint(?:\.L2::128B)?{vec}\.\w+ \{{[^}}]*\}}, \[[^\]]*\], (%rd\d+);", ptx)
     assert [constants.get(reg) for reg in hinted] == (
         [evict_last] * (cfg.num_levels * cfg.num_points * 4) if cfg.coarse_evict_last else [])
     # One copy of each level's L1 gathers with the evict-first hint, taken where the level is the finest.
-    assert len(re.findall(rf"ld\.global\.L1::evict_first\.{vec}", ptx)) == (
+    assert len(re.findall(rf"ld\.global\.L1::evict_first{vec}\.b32", ptx)) == (
         cfg.num_levels * cfg.num_points * 4 if cfg.finest_evict_first else 0)
     # Each tile's inputs are read once: their copies carry an L2 cache policy (evict first); the staging
     # loads of value do not.
     assert evict_first_copies(ptx) == loads - cfg.num_levels + rows
     # Staged pixels (and boxes) are read as vectors of cfg.vector_bytes.
-    assert f"ld.shared.{vec}" in ptx
+    assert f"ld.shared{vec}.b32" in ptx
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
     if cfg.value_dtype == "float16":
         assert re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx)
@@ -246,8 +248,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
-    assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
-                        dataclasses.replace(cfg, cluster_size=1, **whole),
+    assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -281,10 +282,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
-    # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments (with 8-byte
-    # vectors), single CTAs take one each of 128
+    # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments, single CTAs
+    # take one each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
-                                            early_inputs=True, vector_bytes=8)),
+                                            early_inputs=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
@@ -414,16 +415,16 @@ def test_launch_choices_follow_the_caller():
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, **hints)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"coarse_evict_last"})[0] == dict(
         cluster_size=1, num_groups=4, producers=1, split_setup=True, line_prefetch=True)
-    # (P = 8 here: 32 samples a query, so whole segments keep 16-byte vectors.)
     assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4,
                                                                         finest_evict_first=True, early_inputs=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,
                                                                            finest_evict_first=True, early_inputs=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"early_inputs"})[0] == dict(l1_first=True, producers=1, gather_batch=4,
                                                                            finest_evict_first=True)
-    p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32)
-    assert launch_of(p4, 8, 900, 22223)[0]["vector_bytes"] == 8
-    assert "vector_bytes" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
+    # A caller's vector_bytes=8 stays, and the launch plans with its 16-query tiles.
+    p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
+    changes, grid, schedule = launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})
+    assert "vector_bytes" not in changes and schedule.whole and grid == H100["sms"] // 2 * 2
     # Without the table a large batch also takes single CTAs, over rounds of half of L2 (seed-b48 sorted:
     # 21 rounds); an explicit window stays.
     changes, _, schedule = launch_of(cfg, 48, 15422, 19560, reorder=False, window=None)

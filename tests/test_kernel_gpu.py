@@ -33,6 +33,8 @@ VARIANTS = {
     # The encoders' launch: single CTAs of seven groups fed by one producer warp (small problems of the grid
     # otherwise run CTA pairs, with one producer warp too: whole segments).
     "single7": dict(cluster_size=1, num_groups=7, producers=1),
+    # 8-byte vectors a thread: twice the threads a query, half the queries a tile (a tuning knob).
+    "vectors8": dict(vector_bytes=8),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
 BATCH, QUERIES, FUSED_QUERIES = 2, 77, 53  # every grid case's problem size (with its levels)
@@ -62,6 +64,9 @@ def cases():
     # Seven groups and one producer warp, with the input rings (P=4) and without (P=8: they do not fit).
     for vname, P in (("fp32", 4), ("fp16", 4), ("bf16", 4), ("fp16", 8)):
         out.append(dict(value=vname, loc="fp32", D=32, L=4, P=P, M=8, variant="single7"))
+    # 8-byte vectors (8, 16 or 4 threads a query), packed and fp32.
+    for vname, D in (("fp16", 32), ("bf16", 32), ("fp16", 64), ("fp32", 32), ("bf16", 16)):
+        out.append(dict(value=vname, loc="fp32", D=D, L=4, P=4, M=8, variant="vectors8"))
     return out
 
 
