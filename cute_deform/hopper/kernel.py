@@ -1,12 +1,13 @@
 """The tiled Hopper kernel: `MSDAForward`, one instance per KernelConfig.
 
 A tile is G queries of one (image, head); the 128 threads of a group's four consumer warps cover it,
-T threads a query, each thread one 16-byte vector of channels. A CTA has several groups that share a
-staging buffer. The tile scheduler hands each cluster ranges of tiles; within a range, the coarse
-levels of each segment's (image, head) that fit are staged whole in shared memory by TMA (multicast to
-both CTAs of a pair), and sampled from there. The other levels are gathered per sample: by 16-byte loads
-through L1 (the default), or by one TMA box of 2x2 pixels x D channels per sample through a ring of
-stages (fine_gather="tma", whose out-of-bounds zero fill is the original kernel's zero padding).
+T threads a query, each thread one vector of channels (KernelConfig.vector_bytes: 16 or 8 bytes). A CTA
+has several groups that share a staging buffer. The tile scheduler hands each cluster ranges of tiles;
+within a range, the coarse levels of each segment's (image, head) that fit are staged whole in shared
+memory by TMA (multicast to both CTAs of a pair), and sampled from there. The other levels are gathered
+per sample: by vector loads through L1 (the default), or by one TMA box of 2x2 pixels x D channels per
+sample through a ring of stages (fine_gather="tma", whose out-of-bounds zero fill is the original
+kernel's zero padding).
 Producer warps (one a group, or one for several: config.producers) prefetch every tile's locations and
 weights (or, fused, offsets and logits) with two TMA boxes into its group's ring, ahead of the
 consumers. Consumers accumulate every level and point of a query in fp32 registers and write each
@@ -685,7 +686,7 @@ class MSDAForward:
     @cute.jit
     def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk, l1_priority: str,
                         l2_policy: int):
-        """All points of one level straight from global memory with 16-byte loads, which L1 caches:
+        """All points of one level straight from global memory with vector loads, which L1 caches:
         neighbouring queries of a tile read overlapping footprints."""
         S = mValue.shape[1]
         e = self.cfg.itemsize

@@ -5,7 +5,7 @@ The rule is the original Deformable-DETR kernel's: a sample at pixel position (w
 unless -1 < h < H and -1 < w < W (false for NaN); otherwise it adds
     a * (w00 v[h0, w0] + w01 v[h0, w0+1] + w10 v[h0+1, w0] + w11 v[h0+1, w0+1])
 with a corner outside the level reading 0. A thread holds C channels of one query's head: each corner
-is one 16-byte vector load.
+is one vector load (16 or 8 bytes).
 """
 from __future__ import annotations
 
@@ -155,12 +155,13 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
 def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False,
                    l1_priority: str = "", l2_policy: int = 0):
     """(first corner's address from its pixel index, one corner's channels) in a level read from global
-    memory with 16-byte loads that L1 caches. value_base: this thread's channels of the level's pixel 0
-    (an Int64 address). A corner outside the level is a predicated-off load of zeros (cheaper than
-    selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines;
+    memory with vector loads (C channels) that L1 caches. value_base: this thread's channels of the
+    level's pixel 0 (an Int64 address). A corner outside the level is a predicated-off load of zeros
+    (cheaper than selecting a 64-bit address of zeros). line_prefetch: the loads ask L2 for whole 128-byte lines;
     l2_policy: an L2 eviction policy for the loads (0: none)."""
     hinted = line_prefetch or bool(l1_priority) or bool(l2_policy)
     vector = ir.VectorType.get([bilinear.C], value_dtype.mlir_type) if hinted else None
+    align = bilinear.C * value_dtype.width // 8  # one corner's vector
     prefetch = nvvm.L2PrefetchSize.SIZE_128B if line_prefetch else None
     evict = {"": None, "evict_first": nvvm.EvictKind.FIRST}[l1_priority]
     row_bytes = cutlass.Int64(W) * pixel_bytes
@@ -175,7 +176,6 @@ def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dt
         v = cute.make_rmem_tensor(cute.make_layout(bilinear.C), value_dtype)
         v.fill(0.0)
         if ok:
-            align = bilinear.C * value_dtype.width // 8
             ptr = cute.make_ptr(value_dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
             if cutlass.const_expr(hinted):
                 hint = cutlass.Int64(l2_policy).ir_value() if cutlass.const_expr(l2_policy != 0) else None
