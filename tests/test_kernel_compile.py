@@ -248,7 +248,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = interface.launch_variants(cfg)
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
-    assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, cluster_size=1, **whole),
+    assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
+                        dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -282,10 +283,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
-    # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments, single CTAs
-    # take one each of 128
+    # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments (with 8-byte
+    # vectors), single CTAs take one each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
-                                            early_inputs=True)),
+                                            early_inputs=True, vector_bytes=8)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
@@ -415,12 +416,16 @@ def test_launch_choices_follow_the_caller():
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, **hints)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"coarse_evict_last"})[0] == dict(
         cluster_size=1, num_groups=4, producers=1, split_setup=True, line_prefetch=True)
+    # (P = 8 here: 32 samples a query, so whole segments keep 16-byte vectors.)
     assert launch_of(cfg, 8, 900, 22223, fixed={"producers"})[0] == dict(l1_first=True, gather_batch=4,
                                                                         finest_evict_first=True, early_inputs=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"gather_batch"})[0] == dict(l1_first=True, producers=1,
                                                                            finest_evict_first=True, early_inputs=True)
     assert launch_of(cfg, 8, 900, 22223, fixed={"early_inputs"})[0] == dict(l1_first=True, producers=1, gather_batch=4,
                                                                            finest_evict_first=True)
+    p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    assert launch_of(p4, 8, 900, 22223)[0]["vector_bytes"] == 8
+    assert "vector_bytes" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
     # A caller's vector_bytes=8 stays, and the launch plans with its 16-query tiles.
     p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
     changes, grid, schedule = launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})

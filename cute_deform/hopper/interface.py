@@ -234,6 +234,8 @@ def launch_variants(cfg) -> list:
             if cfg.num_levels > 1:
                 whole["finest_evict_first"] = True
         out.append(dataclasses.replace(cfg, **whole))
+        if cfg.cluster_size > 1 and _half_vectors_measured(cfg, cfg.permuted):  # choose_launch's rule for pairs
+            out.append(dataclasses.replace(cfg, vector_bytes=8, **whole))
         if cfg.cluster_size > 1:  # whole segments in single CTAs
             out.append(dataclasses.replace(cfg, cluster_size=1, **whole))
     if cfg.cluster_size > 1:
@@ -252,6 +254,13 @@ def _hints_measured(cfg, permuted: bool) -> bool:
     """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
     on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
     return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
+
+
+def _half_vectors_measured(cfg, permuted: bool) -> bool:
+    """The launches 8-byte vectors were measured on (choose_launch's rule for CTA pairs over whole segments):
+    the cache-hint launches' kinds (_hints_measured) with 64-byte head rows and at most 16 samples a query."""
+    return (_hints_measured(cfg, permuted) and cfg.vector_bytes == 16 and cfg.head_dim * cfg.itemsize == 64
+            and cfg.level_points <= 16)
 
 
 def _launch_gather_batch(cfg, whole: bool, permuted: bool) -> int:
@@ -523,6 +532,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # lost (92 against 61); with two segments a CTA (N=32 Lq=300) they tied (100.9 against 99.8).
         changes["cluster_size"] = 1
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
+    if (schedule.whole and changes.get("cluster_size", cfg.cluster_size) > 1 and _half_vectors_measured(cfg, permuted)
+            and "vector_bytes" not in fixed):
+        # CTA pairs over whole segments (detr-decoder, -ref): 8-byte vectors, eight threads a query and 16
+        # queries a tile. Two runs in opposite orders, H100 (session 19): detr-decoder 59.8 / 59.7 -> 58.4 /
+        # 58.8 us, -ref 57.4 / 57.8 -> 55.0 / 54.9; single CTAs over whole segments (decoder-b16) lost
+        # (53.4 / 53.3 -> 54.5 / 54.2), an encoder lost 41% (detr-encoder-init, single CTAs, one round).
+        trial = dataclasses.replace(cfg, **changes, vector_bytes=8)
+        trial_grid, trial_schedule = grid_and_schedule(trial, N, Lq, S, sms, l2_bytes, window)
+        if trial_schedule.whole:
+            changes["vector_bytes"] = 8
+            grid, schedule = trial_grid, trial_schedule
     if (changes.get("cluster_size") == 1 and not schedule.whole
             and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed):
         # Single CTAs over long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5%
