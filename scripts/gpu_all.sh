@@ -44,7 +44,7 @@ step compare 200 python3 scripts/compare.py --no-progress --impls "${IMPLS:-clas
 PYTEST="python3 -m pytest -q -m gpu -p no:cacheprovider -rfE"
 step tests-boxes 90 $PYTEST tests/test_kernel_gpu.py -k "boxes${PYTEST_K:+ and ($PYTEST_K)}"
 step tests-grid 200 $PYTEST tests/test_kernel_gpu.py -k "not boxes${PYTEST_K:+ and ($PYTEST_K)}"
-step tests-op 120 $PYTEST tests/test_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
+step tests-op 120 $PYTEST tests/test_gpu.py tests/test_native_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step tests-fused 150 $PYTEST tests/test_fused_gpu.py ${PYTEST_K:+-k "$PYTEST_K"}
 step hardening 150 env CUTE_DEFORM_WRITE_DOCS=1 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_hardening_gpu.py
 cp docs/bad_inputs.md "$OUT/bad_inputs.md"
