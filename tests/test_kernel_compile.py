@@ -59,14 +59,15 @@ VARIANTS = [
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
                              gather_batch=4, finest_evict_first=True, early_inputs=True)),
     # ... and in single CTAs (decoder-b16's launch).
-    ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
-                           finest_evict_first=True, early_inputs=True, vector_bytes=8)),
-    ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
-                                               vector_bytes=8)),
     ("early-inputs-single-cta", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, l1_first=True,
                                       producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
                                       gather_batch=3)),
+    # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
+    ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
+                           finest_evict_first=True, early_inputs=True, vector_bytes=8)),
+    ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
+                                               vector_bytes=8)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -427,8 +428,8 @@ def test_launch_choices_follow_the_caller():
     assert launch_of(p4, 8, 900, 22223)[0]["vector_bytes"] == 8
     assert "vector_bytes" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
     # A caller's vector_bytes=8 stays, and the launch plans with its 16-query tiles.
-    p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
-    changes, grid, schedule = launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})
+    p4_vectors8 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
+    changes, grid, schedule = launch_of(p4_vectors8, 8, 900, 22223, fixed={"vector_bytes"})
     assert "vector_bytes" not in changes and schedule.whole and grid == H100["sms"] // 2 * 2
     # Without the table a large batch also takes single CTAs, over rounds of half of L2 (seed-b48 sorted:
     # 21 rounds); an explicit window stays.

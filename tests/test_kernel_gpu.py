@@ -33,7 +33,8 @@ VARIANTS = {
     # The encoders' launch: single CTAs of seven groups fed by one producer warp (small problems of the grid
     # otherwise run CTA pairs, with one producer warp too: whole segments).
     "single7": dict(cluster_size=1, num_groups=7, producers=1),
-    # 8-byte vectors a thread: twice the threads a query, half the queries a tile (a tuning knob).
+    # 8-byte vectors a thread: twice the threads a query, half the queries a tile (the launch rule for CTA
+    # pairs over whole segments of 64-byte head rows; here forced on every case's shape).
     "vectors8": dict(vector_bytes=8),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)

@@ -96,10 +96,8 @@ class KernelConfig(ProblemConfig):
     # barrier (the prologue's orders its staging). A launch rule for whole segments (interface.choose_launch).
     early_inputs: bool = False
     # Bytes of value a thread loads per corner: 16, or 8 (twice the threads a query, half the queries a
-    # tile). 8 won on CTA pairs over whole segments (H100, two runs: detr-decoder 59.8 / 59.7 -> 58.4 /
-    # 58.8 us, -ref 57.4 / 57.8 -> 55.0 / 54.9) and lost on single CTAs (decoder-b16 53.4 / 53.3 -> 54.5 /
-    # 54.2, detr-encoder-init 118 -> 166). A launch rule for CTA pairs over whole segments of 64-byte head
-    # rows (interface.choose_launch; docs/performance.md, sessions 19-20).
+    # tile). A launch rule for CTA pairs over whole segments of 64-byte head rows (interface.choose_launch,
+    # which has the measurements), where it won.
     vector_bytes: int = 16
 
     def __post_init__(self):
