@@ -257,8 +257,9 @@ def _hints_measured(cfg, permuted: bool) -> bool:
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
-    """The launches 8-byte vectors were measured on (choose_launch's rule for CTA pairs over whole segments):
-    the cache-hint launches' kinds (_hints_measured) with 64-byte head rows and at most 16 samples a query."""
+    """The kernels 8-byte vectors were measured on (choose_launch's rule for CTA pairs over whole segments,
+    at most one segment a pair): the cache-hint launches' kinds (_hints_measured) with 64-byte head rows and
+    at most 16 samples a query."""
     return (_hints_measured(cfg, permuted) and cfg.vector_bytes == 16 and cfg.head_dim * cfg.itemsize == 64
             and cfg.level_points <= 16)
 
@@ -538,9 +539,11 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # queries a tile. Two runs in opposite orders, H100 (session 19): detr-decoder 59.8 / 59.7 -> 58.4 /
         # 58.8 us, -ref 57.4 / 57.8 -> 55.0 / 54.9; single CTAs over whole segments (decoder-b16) lost
         # (53.4 / 53.3 -> 54.5 / 54.2), an encoder lost 41% (detr-encoder-init, single CTAs, one round).
+        # Both winners give each pair at most one segment; pairs over several segments each (large batches
+        # of decoders, e.g. N=32 Lq=300) were not measured and keep 16-byte vectors.
         trial = dataclasses.replace(cfg, **changes, vector_bytes=8)
         trial_grid, trial_schedule = grid_and_schedule(trial, N, Lq, S, sms, l2_bytes, window)
-        if trial_schedule.whole:
+        if trial_schedule.whole and N * cfg.num_heads <= trial_grid // trial.cluster_size:
             changes["vector_bytes"] = 8
             grid, schedule = trial_grid, trial_schedule
     if (changes.get("cluster_size") == 1 and not schedule.whole
