@@ -427,11 +427,10 @@ def test_launch_choices_follow_the_caller():
     p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     assert launch_of(p4, 8, 900, 22223)[0]["vector_bytes"] == 8
     assert "vector_bytes" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
-    # CTA pairs over several whole segments each (a large batch of decoders) keep 16-byte vectors: only one
-    # segment a pair was measured.
+    # ... and CTA pairs over several whole segments each (a large batch of decoders).
     changes, grid, schedule = launch_of(p4, 32, 300, 22223)
     assert schedule.whole and changes.get("cluster_size", 2) == 2 and 32 * 8 > grid // 2
-    assert "vector_bytes" not in changes
+    assert changes["vector_bytes"] == 8
     # A caller's vector_bytes=8 stays, and the launch plans with its 16-query tiles.
     p4_vectors8 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
     changes, grid, schedule = launch_of(p4_vectors8, 8, 900, 22223, fixed={"vector_bytes"})

@@ -257,8 +257,8 @@ def _hints_measured(cfg, permuted: bool) -> bool:
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
-    """The kernels 8-byte vectors were measured on (choose_launch's rule for CTA pairs over whole segments,
-    at most one segment a pair): the cache-hint launches' kinds (_hints_measured) with 64-byte head rows and
+    """The kernels 8-byte vectors were measured on (choose_launch's rule for CTA pairs over whole
+    segments): the cache-hint launches' kinds (_hints_measured) with 64-byte head rows and
     at most 16 samples a query."""
     return (_hints_measured(cfg, permuted) and cfg.vector_bytes == 16 and cfg.head_dim * cfg.itemsize == 64
             and cfg.level_points <= 16)
@@ -539,11 +539,12 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # queries a tile. Two runs in opposite orders, H100 (session 19): detr-decoder 59.8 / 59.7 -> 58.4 /
         # 58.8 us, -ref 57.4 / 57.8 -> 55.0 / 54.9; single CTAs over whole segments (decoder-b16) lost
         # (53.4 / 53.3 -> 54.5 / 54.2), an encoder lost 41% (detr-encoder-init, single CTAs, one round).
-        # Both winners give each pair at most one segment; pairs over several segments each (large batches
-        # of decoders, e.g. N=32 Lq=300) were not measured and keep 16-byte vectors.
+        # Pairs over several segments each won too (H100, session 21, DETR levels, reference-point
+        # locations): N=32 Lq=300 102.8 -> 97.1 and 100.3 -> 97.0, N=64 Lq=300 190.7 -> 176.8, N=32 Lq=100
+        # 71.5 -> 54.9; so did N=8 at Lq=100 (22.7 -> 19.3), 300 (29.9 -> 29.4) and 2000 (105.5 -> 100.3).
         trial = dataclasses.replace(cfg, **changes, vector_bytes=8)
         trial_grid, trial_schedule = grid_and_schedule(trial, N, Lq, S, sms, l2_bytes, window)
-        if trial_schedule.whole and N * cfg.num_heads <= trial_grid // trial.cluster_size:
+        if trial_schedule.whole:
             changes["vector_bytes"] = 8
             grid, schedule = trial_grid, trial_schedule
     if (changes.get("cluster_size") == 1 and not schedule.whole
