@@ -197,6 +197,25 @@ def test_kernel_on_a_large_batch_matches_reference(gen, order):
         assert torch.isfinite(out).all()
 
 
+def test_decoder_batch_with_several_segments_a_pair(gen):
+    """A large batch of DETR decoders (N=32, Lq=300: about four whole segments a CTA pair), which the launch
+    runs with 8-byte vectors: every image within the bound of float64, and two runs bitwise equal."""
+    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=32, queries=300, heads=8, head_dim=32,
+                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
+    value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    cfg = launched_config(value, loc, attn, None, {}, 32, 300, value.shape[1])
+    assert cfg.cluster_size == 2 and cfg.vector_bytes == 8
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    outs = []
+    for _ in range(2):
+        torch.full((value.numel(),), float("nan"), device="cuda")
+        outs.append(interface.msda_forward(value, shapes, starts, loc, attn))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], ref) <= BOUND[torch.float16]
+
+
 @pytest.mark.parametrize("cluster_size", [1, 2])
 def test_tma_boxes_are_deterministic_at_decoder_scale(gen, cluster_size):
     """Per-sample TMA boxes on a DETR decoder's shapes (enough tiles a CTA for the rings to turn over many
