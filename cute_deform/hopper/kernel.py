@@ -355,9 +355,9 @@ class MSDAForward:
 
     @cute.jit
     def segment_sync(self, segment):
-        """pipeline.segment_sync before every segment; with early_inputs not before the first, whose staging
-        the prologue's barrier already orders."""
-        if cutlass.const_expr(self.cfg.early_inputs):
+        """pipeline.segment_sync before every segment; where the first tiles' inputs go out early (the same
+        condition as theirs) not before the first, whose staging the prologue's barrier already orders."""
+        if cutlass.const_expr(self.early_inputs):
             if segment > 0:
                 pipeline.segment_sync(self.cluster)
         else:
