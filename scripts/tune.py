@@ -37,7 +37,7 @@ def parse_variant(spec: str) -> dict:
         key, value = item.split("=")
         out[key] = float(value) if "." in value else int(value) if value.lstrip("-").isdigit() else value
     for key in ("early_inputs", "finest_evict_first", "generic", "l1_first", "line_prefetch", "permuted",
-                "reorder_queries", "split_setup"):
+                "prefetch_levels", "reorder_queries", "split_setup"):
         if key in out:
             out[key] = bool(out[key])
     return out

@@ -66,6 +66,10 @@ VARIANTS = [
     # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
     ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
                            finest_evict_first=True, early_inputs=True, vector_bytes=8)),
+    # ... with the mid-size levels prefetched to L2 at each segment (detr-decoder's launch).
+    ("half-vectors-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
+                                    gather_batch=4, finest_evict_first=True, early_inputs=True, vector_bytes=8,
+                                    prefetch_levels=True)),
     ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
                                                vector_bytes=8)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
@@ -127,6 +131,13 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         assert head.count("bar.sync") == 1 and "barrier.cluster" not in head
     multicast = ".multicast::cluster" in ptx
     assert multicast == (cfg.cluster_size > 1)
+    # prefetch_levels: one L2 prefetch of a box a level (unrolled), each in a loop over the level's boxes,
+    # issued by one elected lane.
+    prefetches = re.findall(r"^\s*cp\.async\.bulk\.prefetch\.tensor\.4d\.L2\.global", ptx, re.M)
+    assert len(prefetches) == (cfg.num_levels if cfg.prefetch_levels else 0)
+    if cfg.prefetch_levels:
+        for part in ptx.split("cp.async.bulk.prefetch.tensor")[:-1]:
+            assert "elect.sync" in part[-600:]
     # 2x2xD footprint boxes, through tensor maps patched on the device, only in the box variant.
     boxes = "cp.async.bulk.tensor.5d" in ptx
     assert boxes == (cfg.fine_gather == "tma")
@@ -250,6 +261,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     variants = interface.launch_variants(cfg)
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
+                        dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True),
@@ -285,9 +297,9 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments (with 8-byte
-    # vectors), single CTAs take one each of 128
+    # vectors and the mid-size levels prefetched to L2), single CTAs take one each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
-                                            early_inputs=True, vector_bytes=8)),
+                                            early_inputs=True, vector_bytes=8, prefetch_levels=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
@@ -427,10 +439,15 @@ def test_launch_choices_follow_the_caller():
     p4 = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     assert launch_of(p4, 8, 900, 22223)[0]["vector_bytes"] == 8
     assert "vector_bytes" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
-    # ... and CTA pairs over several whole segments each (a large batch of decoders).
+    # ... and CTA pairs over several whole segments each (a large batch of decoders), without the L2 prefetch.
     changes, grid, schedule = launch_of(p4, 32, 300, 22223)
     assert schedule.whole and changes.get("cluster_size", 2) == 2 and 32 * 8 > grid // 2
-    assert changes["vector_bytes"] == 8
+    assert changes["vector_bytes"] == 8 and "prefetch_levels" not in changes
+    # The L2 prefetch: pairs over one segment each, where 4 Lq P corner reads come to half of S.
+    assert launch_of(p4, 8, 700, 22223)[0]["prefetch_levels"]
+    assert "prefetch_levels" not in launch_of(p4, 8, 600, 22223)[0]
+    assert "prefetch_levels" not in launch_of(p4, 8, 900, 22223, fixed={"prefetch_levels"})[0]
+    assert "prefetch_levels" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
     # A caller's vector_bytes=8 stays, and the launch plans with its 16-query tiles.
     p4_vectors8 = tiled("float16", "float32", "float32", 8, 4, 4, 32, vector_bytes=8)
     changes, grid, schedule = launch_of(p4_vectors8, 8, 900, 22223, fixed={"vector_bytes"})

@@ -216,6 +216,27 @@ def test_decoder_batch_with_several_segments_a_pair(gen):
     assert rel_err(outs[0], ref) <= BOUND[torch.float16]
 
 
+@pytest.mark.parametrize("levels", [[(100, 167), (50, 84), (25, 42), (13, 21)],
+                                    # the prefetched level last in value: its last box runs past S
+                                    [(100, 167), (25, 42), (13, 21), (50, 84)]])
+def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
+    """detr-decoder's launch (CTA pairs over one whole segment each) prefetches the mid-size level to L2 at
+    each segment: every image within the bound of float64, and bitwise equal to the launch without it."""
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=8, queries=900, heads=8, head_dim=32,
+                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
+    value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    cfg = launched_config(value, loc, attn, None, {}, 8, 900, value.shape[1])
+    assert cfg.cluster_size == 2 and cfg.prefetch_levels
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    outs = []
+    for tuning in ({}, dict(prefetch_levels=False)):
+        torch.full((value.numel(),), float("nan"), device="cuda")
+        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], ref) <= BOUND[torch.float16]
+
+
 @pytest.mark.parametrize("cluster_size", [1, 2])
 def test_tma_boxes_are_deterministic_at_decoder_scale(gen, cluster_size):
     """Per-sample TMA boxes on a DETR decoder's shapes (enough tiles a CTA for the rings to turn over many

@@ -99,6 +99,11 @@ class KernelConfig(ProblemConfig):
     # tile). A launch rule for CTA pairs over whole segments of 64-byte head rows (interface.choose_launch,
     # which has the measurements), where it won.
     vector_bytes: int = 16
+    # At each segment the staging warp asks L2 (TMA prefetch boxes, after the staging's copies) for the head
+    # rows of the levels that are neither staged nor the finest and that the segment's samples are expected
+    # to read most of (MSDAForward.prefetch_levels): their gathers then wait on L2, not DRAM. A launch rule
+    # for CTA pairs over one whole segment each (interface.choose_launch, which has the measurements).
+    prefetch_levels: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

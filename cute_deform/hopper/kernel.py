@@ -4,10 +4,10 @@ A tile is G queries of one (image, head); the 128 threads of a group's four cons
 T threads a query, each thread one vector of channels (KernelConfig.vector_bytes: 16 or 8 bytes). A CTA
 has several groups that share a staging buffer. The tile scheduler hands each cluster ranges of tiles;
 within a range, the coarse levels of each segment's (image, head) that fit are staged whole in shared
-memory by TMA (multicast to both CTAs of a pair), and sampled from there. The other levels are gathered
-per sample: by vector loads through L1 (the default), or by one TMA box of 2x2 pixels x D channels per
-sample through a ring of stages (fine_gather="tma", whose out-of-bounds zero fill is the original
-kernel's zero padding).
+memory by TMA (multicast to both CTAs of a pair), and sampled from there (with prefetch_levels, the rows
+of mid-size levels also go to L2 as each segment starts). The other levels are gathered per sample: by
+vector loads through L1 (the default), or by one TMA box of 2x2 pixels x D channels per sample through a
+ring of stages (fine_gather="tma", whose out-of-bounds zero fill is the original kernel's zero padding).
 Producer warps (one a group, or one for several: config.producers) prefetch every tile's locations and
 weights (or, fused, offsets and logits) with two TMA boxes into its group's ring, ahead of the
 consumers. Consumers accumulate every level and point of a query in fp32 registers and write each
@@ -37,6 +37,7 @@ from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
+PREFETCH_BOX_PIXELS = 256
 # The L2 eviction policy of the tile inputs' copies (the createpolicy encoding CUTLASS names EVICT_FIRST):
 # each row is read once, and with the default policy the stream of them pushed value out of L2.
 INPUTS_L2_POLICY = 0x12F0000000000000
@@ -131,6 +132,12 @@ class MSDAForward:
         stage_box = (D, 1, STAGE_BOX_PIXELS, 1)
         stage_atom, stage_tma = cpasync.make_tiled_tma_atom(stage_op, pixels, cute.make_layout(stage_box), stage_box)
         loc_atom, loc_tma, attn_atom, attn_tma = stage_atom, stage_tma, stage_atom, stage_tma
+        # KernelConfig.prefetch_levels: L2 prefetch boxes of PREFETCH_BOX_PIXELS pixels of one head.
+        fetch_atom, fetch_tma = stage_atom, stage_tma
+        if cutlass.const_expr(self.cfg.prefetch_levels):
+            fetch_box = (D, 1, PREFETCH_BOX_PIXELS, 1)
+            fetch_atom, fetch_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), pixels,
+                                                                cute.make_layout(fetch_box), fetch_box)
         if cutlass.const_expr(self.prefetch and not self.permuted):
             loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems)
             attn_atom, attn_tma = self.input_atom(mAttn, self.LP, self.cfg.attn_row_elems)
@@ -168,8 +175,8 @@ class MSDAForward:
         # what the kernel takes.
         check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
-        self.kernel(stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mShapes,
-                    mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds, whole).launch(
+        self.kernel(stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
+                    mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds, whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -181,7 +188,7 @@ class MSDAForward:
     # Device side
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
+    def kernel(self, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
                box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
                mStarts: cute.Tensor, mLoc: cute.Tensor, mAttn: cute.Tensor, mRef: cute.Tensor, mOrder: cute.Tensor,
                mOut: cute.Tensor, mDesc: cute.Tensor,
@@ -259,9 +266,9 @@ class MSDAForward:
             cute.arch.barrier()
 
         if warp >= consumer_warps:
-            self.producer(warp - consumer_warps, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                          box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging,
-                          scheduler, rounds, sizes, starts, staged, offsets, used, rank, bidx)
+            self.producer(warp - consumer_warps, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma,
+                          attn_atom, attn_tma, box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings,
+                          box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets, used, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
             self.consumer(g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging,
@@ -296,9 +303,9 @@ class MSDAForward:
     # Producer warps: staging (warp 0), the tile inputs, and with fine_gather="tma" the footprint boxes
     # ------------------------------------------------------------------------------------------------
     @cute.jit
-    def producer(self, p, stage_atom, stage_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template, mValue, mLoc,
-                 mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged,
-                 offsets, used, rank, bidx):
+    def producer(self, p, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
+                 box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler,
+                 rounds, sizes, starts, staged, offsets, used, rank, bidx):
         """Producer warp p feeds groups p, p + producers, ... (with TMA boxes, its own group only)."""
         producers = self.cfg.producer_warps
         served = self.groups // producers
@@ -324,6 +331,8 @@ class MSDAForward:
                 if p == 0:
                     self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
                                       n, m, rank)
+                    if cutlass.const_expr(self.cfg.prefetch_levels):
+                        self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, staged, mLoc.shape[1], n, m, rank)
                 # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
                 first = t + rank * self.groups + p
                 if cutlass.const_expr(self.early_inputs):
@@ -413,6 +422,29 @@ class MSDAForward:
                                   mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
                     else:
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
+
+    @cute.jit
+    def prefetch_levels(self, fetch_atom, fetch_tma, sizes, starts, staged, Lq, n, m, rank):
+        """KernelConfig.prefetch_levels: TMA prefetches to L2 of (image n, head m)'s rows of every level that
+        is neither staged nor the finest and has at most half as many pixels as the segment's corner reads
+        (4 Lq P: a row is then expected to be read about twice, and few prefetched rows go unread); the CTAs
+        of a cluster take every other box."""
+        box = (self.D, 1, PREFETCH_BOX_PIXELS, 1)
+        finest = finest_level(sizes)
+        for level in cutlass.range_constexpr(self.L):
+            H, W = sizes[level]
+            if not staged[level] and finest != level and cutlass.Int64(H * W) <= cutlass.Int64(Lq) * (2 * self.P):
+                boxes = (H * W + PREFETCH_BOX_PIXELS - 1) // PREFETCH_BOX_PIXELS
+                for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
+                    pixel = cutlass.Int32(starts[level]) + b * PREFETCH_BOX_PIXELS
+                    src = cute.local_tile(cute.domain_offset((0, m, pixel, n), fetch_tma), box, (0, 0, 0, 0))
+                    # A prefetch has no destination; tma_partition wants one of the box's shape.
+                    nowhere = cute.make_ptr(self.value_dtype, 0, cute.AddressSpace.smem, assumed_align=128)
+                    dst = cute.make_tensor(nowhere, cute.make_layout(box))
+                    _, tSg = cpasync.tma_partition(fetch_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
+                                                   cute.group_modes(src, 0, 4))
+                    with cute.arch.elect_one():  # a tensor prefetch is one thread's instruction
+                        cute.prefetch(fetch_atom, tSg)
 
     @cute.jit
     def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mLoc, mAttn, mOrder, n,
