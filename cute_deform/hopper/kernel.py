@@ -37,6 +37,7 @@ from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler
 
 DTYPES = {}
+# Pixels of one head a TMA prefetch box covers (KernelConfig.prefetch_levels): the most a box dimension takes.
 PREFETCH_BOX_PIXELS = 256
 # The L2 eviction policy of the tile inputs' copies (the createpolicy encoding CUTLASS names EVICT_FIRST):
 # each row is read once, and with the default policy the stream of them pushed value out of L2.
