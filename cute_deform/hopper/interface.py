@@ -548,8 +548,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         if trial_schedule.whole:
             changes["vector_bytes"] = 8
             grid, schedule = trial_grid, trial_schedule
-    pairs = grid // changes.get("cluster_size", cfg.cluster_size)
-    if (schedule.whole and changes.get("cluster_size", cfg.cluster_size) > 1 and N * cfg.num_heads <= pairs
+    cluster = changes.get("cluster_size", cfg.cluster_size)
+    if (schedule.whole and cluster > 1 and N * cfg.num_heads <= grid // cluster
             and changes.get("vector_bytes", cfg.vector_bytes) == 8 and 8 * Lq * cfg.num_points >= S
             and _hints_measured(cfg, permuted) and "prefetch_levels" not in fixed):
         # CTA pairs over one whole segment each, with 8-byte vectors (detr-decoder, -ref): the mid-size levels

@@ -323,6 +323,9 @@ class MSDAForward:
                     _, issued, _, _, _ = self.first_tiles(p, j, scheduler, rank)
                     input_states[j].advance(cutlass.Int32(issued * self.groups))
         box_state = box_rings.producer_state(p) if cutlass.const_expr(self.boxes) else None
+        prefetched = []
+        if cutlass.const_expr(self.cfg.prefetch_levels):
+            prefetched = self.prefetched_levels(sizes, staged, mLoc.shape[1])
         segment = cutlass.Int32(0)
         for round_ in cutlass.range(rounds, unroll=1):
             t, t_end = scheduler.range_of(round_)
@@ -333,7 +336,7 @@ class MSDAForward:
                     self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
                                       n, m, rank)
                     if cutlass.const_expr(self.cfg.prefetch_levels):
-                        self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, staged, mLoc.shape[1], n, m, rank)
+                        self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, prefetched, n, m, rank)
                 # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
                 first = t + rank * self.groups + p
                 if cutlass.const_expr(self.early_inputs):
@@ -412,38 +415,50 @@ class MSDAForward:
                 H, W = sizes[level]
                 boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
                 for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
-                    pixel = cutlass.Int32(starts[level]) + b * STAGE_BOX_PIXELS
-                    src = cute.local_tile(cute.domain_offset((0, m, pixel, n), stage_tma), box, (0, 0, 0, 0))
                     dst = cute.make_tensor(sStaged.iterator + (offsets[level] + b * STAGE_BOX_PIXELS) * D,
                                            cute.make_layout(box))
-                    tSs, tSg = cpasync.tma_partition(stage_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
-                                                     cute.group_modes(src, 0, 4))
+                    tSs, tSg = self.level_box(stage_atom, stage_tma, dst, starts[level], b, n, m)
                     if cutlass.const_expr(self.cluster > 1):
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
                                   mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
                     else:
                         cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
 
+    def level_box(self, atom, tma, dst, start, b, n, m):
+        """(destination, source) partitions of box b of a level whose first pixel is `start`, head m of image
+        n: the box's pixels are dst's mode 2 (STAGE_BOX_PIXELS or PREFETCH_BOX_PIXELS)."""
+        box = dst.shape
+        pixel = cutlass.Int32(start) + b * box[2]
+        src = cute.local_tile(cute.domain_offset((0, m, pixel, n), tma), box, (0, 0, 0, 0))
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
+                                     cute.group_modes(src, 0, 4))
+
     @cute.jit
-    def prefetch_levels(self, fetch_atom, fetch_tma, sizes, starts, staged, Lq, n, m, rank):
-        """KernelConfig.prefetch_levels: TMA prefetches to L2 of (image n, head m)'s rows of every level that
-        is neither staged nor the finest and has at most half as many pixels as the segment's corner reads
-        (4 Lq P: a row is then expected to be read about twice, and few prefetched rows go unread); the CTAs
-        of a cluster take every other box."""
-        box = (self.D, 1, PREFETCH_BOX_PIXELS, 1)
+    def prefetched_levels(self, sizes, staged, Lq):
+        """KernelConfig.prefetch_levels: whether each level goes to L2 as a segment starts. A level does where
+        it is neither staged nor the finest and has at most half as many pixels as a segment's corner reads
+        (4 Lq P: a row is then expected to be read about twice, and few prefetched rows go unread)."""
         finest = finest_level(sizes)
+        prefetched = []
         for level in cutlass.range_constexpr(self.L):
             H, W = sizes[level]
-            if not staged[level] and finest != level and cutlass.Int64(H * W) <= cutlass.Int64(Lq) * (2 * self.P):
+            prefetched.append(not staged[level] and finest != level
+                              and cutlass.Int64(H * W) <= cutlass.Int64(Lq) * (2 * self.P))
+        return prefetched
+
+    @cute.jit
+    def prefetch_levels(self, fetch_atom, fetch_tma, sizes, starts, prefetched, n, m, rank):
+        """TMA prefetches to L2 of (image n, head m)'s rows of the prefetched levels (prefetched_levels); the
+        CTAs of a cluster take every other box."""
+        # A prefetch has no destination; tma_partition wants one of the box's shape.
+        nowhere = cute.make_ptr(self.value_dtype, 0, cute.AddressSpace.smem, assumed_align=128)
+        dst = cute.make_tensor(nowhere, cute.make_layout((self.D, 1, PREFETCH_BOX_PIXELS, 1)))
+        for level in cutlass.range_constexpr(self.L):
+            if prefetched[level]:
+                H, W = sizes[level]
                 boxes = (H * W + PREFETCH_BOX_PIXELS - 1) // PREFETCH_BOX_PIXELS
                 for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
-                    pixel = cutlass.Int32(starts[level]) + b * PREFETCH_BOX_PIXELS
-                    src = cute.local_tile(cute.domain_offset((0, m, pixel, n), fetch_tma), box, (0, 0, 0, 0))
-                    # A prefetch has no destination; tma_partition wants one of the box's shape.
-                    nowhere = cute.make_ptr(self.value_dtype, 0, cute.AddressSpace.smem, assumed_align=128)
-                    dst = cute.make_tensor(nowhere, cute.make_layout(box))
-                    _, tSg = cpasync.tma_partition(fetch_atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
-                                                   cute.group_modes(src, 0, 4))
+                    _, tSg = self.level_box(fetch_atom, fetch_tma, dst, starts[level], b, n, m)
                     with cute.arch.elect_one():  # a tensor prefetch is one thread's instruction
                         cute.prefetch(fetch_atom, tSg)
 
