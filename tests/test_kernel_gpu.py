@@ -197,14 +197,21 @@ def test_kernel_on_a_large_batch_matches_reference(gen, order):
         assert torch.isfinite(out).all()
 
 
+DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
+
+
+def decoder_inputs(gen, levels, batch, queries):
+    """A DETR decoder's inputs on the GPU (8 heads, D = 32, 4 points, locations uniform on [0, 1]): fp16 value,
+    fp32 locations and weights."""
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=batch, queries=queries, heads=8, head_dim=32,
+                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
+    return value.half().cuda(), shapes.cuda(), starts.cuda(), loc.cuda(), attn.cuda()
+
+
 def test_decoder_batch_with_several_segments_a_pair(gen):
     """A large batch of DETR decoders (N=32, Lq=300: about four whole segments a CTA pair), which the launch
     runs with 8-byte vectors: every image within the bound of float64, and two runs bitwise equal."""
-    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=32, queries=300, heads=8, head_dim=32,
-                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
-    value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
-    shapes, starts = shapes.cuda(), starts.cuda()
+    value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=32, queries=300)
     cfg = launched_config(value, loc, attn, None, {}, 32, 300, value.shape[1])
     assert cfg.cluster_size == 2 and cfg.vector_bytes == 8
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
@@ -216,16 +223,13 @@ def test_decoder_batch_with_several_segments_a_pair(gen):
     assert rel_err(outs[0], ref) <= BOUND[torch.float16]
 
 
-@pytest.mark.parametrize("levels", [[(100, 167), (50, 84), (25, 42), (13, 21)],
+@pytest.mark.parametrize("levels", [DETR_LEVELS,
                                     # the prefetched level last in value: its last box runs past S
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])
 def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
     """detr-decoder's launch (CTA pairs over one whole segment each) prefetches the mid-size level to L2 at
     each segment: every image within the bound of float64, and bitwise equal to the launch without it."""
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=8, queries=900, heads=8, head_dim=32,
-                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
-    value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
-    shapes, starts = shapes.cuda(), starts.cuda()
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=8, queries=900)
     cfg = launched_config(value, loc, attn, None, {}, 8, 900, value.shape[1])
     assert cfg.cluster_size == 2 and cfg.prefetch_levels
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
@@ -242,11 +246,7 @@ def test_tma_boxes_are_deterministic_at_decoder_scale(gen, cluster_size):
     """Per-sample TMA boxes on a DETR decoder's shapes (enough tiles a CTA for the rings to turn over many
     times): every run bitwise equal and within the bound. With the boxes issued by all 32 lanes of the
     producer warp at once, this failed every run in CTA pairs (session 15)."""
-    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=8, queries=900, heads=8, head_dim=32,
-                                                   points=4, dtype=torch.float32, low=0.0, high=1.0)
-    value, loc, attn = value.half().cuda(), loc.cuda(), attn.cuda()
-    shapes, starts = shapes.cuda(), starts.cuda()
+    value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=8, queries=900)
     ref = ms_deform_attn_reference(value[:1], shapes, starts, loc[:1], attn[:1], out_dtype=torch.float64)
     outs = []
     for _ in range(4):
