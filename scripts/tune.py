@@ -29,6 +29,12 @@ import compare  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from cute_deform.hopper import interface  # noqa: E402
+from cute_deform.hopper.config import KernelConfig  # noqa: E402
+
+
+# The on/off knobs: KernelConfig's boolean fields, and the launch's generic and reorder_queries.
+BOOL_KNOBS = ({f.name for f in dataclasses.fields(KernelConfig) if f.type in (bool, "bool")}
+              | {"generic", "reorder_queries"})
 
 
 def parse_variant(spec: str) -> dict:
@@ -36,8 +42,7 @@ def parse_variant(spec: str) -> dict:
     for item in filter(None, spec.split(":")):
         key, value = item.split("=")
         out[key] = float(value) if "." in value else int(value) if value.lstrip("-").isdigit() else value
-    for key in ("early_inputs", "finest_evict_first", "generic", "l1_first", "line_prefetch", "permuted",
-                "prefetch_levels", "reorder_queries", "split_setup"):
+    for key in BOOL_KNOBS:
         if key in out:
             out[key] = bool(out[key])
     return out

@@ -10,7 +10,7 @@ import torch
 from cute_deform import SlowPathWarning, demo, ms_deform_attn_grid_sample, ms_deform_attn_reference
 from cute_deform.hopper import interface
 from cute_deform._checks import check_inputs
-from msda_testing import make_inputs, rel_err
+from msda_testing import make_inputs, poison_allocator, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -20,13 +20,6 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: torch.finfo(torch.float16).eps,
 
 def on_cuda(args):
     return [t.cuda() for t in args]
-
-
-def poison_allocator(nbytes: int) -> None:
-    """Leave NaN in the caching allocator's free blocks, so an output the kernel forgets to write
-    comes back as NaN instead of as stale zeros."""
-    junk = torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
-    del junk
 
 
 @pytest.mark.parametrize("value_dtype,loc_dtype", list(itertools.product(FLOATS, repeat=2)), ids=str)

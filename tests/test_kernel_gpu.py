@@ -11,7 +11,8 @@ import torch
 
 from cute_deform import ms_deform_attn_reference
 from cute_deform.hopper import interface
-from msda_testing import fused_inputs, fused_reference, make_inputs, rel_err, sprinkle_special_locations
+from msda_testing import (fused_inputs, fused_reference, make_inputs, poison_allocator, rel_err,
+                          sprinkle_special_locations)
 
 pytestmark = pytest.mark.gpu
 
@@ -139,7 +140,7 @@ def test_kernel_matches_float64_reference(gen, case):
     shapes, starts = shapes.cuda(), starts.cuda()
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
     for _ in range(2):  # two runs on fresh poison: a race shows as a difference
-        torch.full((value.numel() * 4 + ref.numel() * 2,), float("nan"), device="cuda")  # freed: NaN in the allocator
+        poison_allocator((value.numel() * 4 + ref.numel() * 2) * 4)
         out = interface.msda_forward(value, shapes, starts, loc, attn, **VARIANTS[case["variant"]])
         assert out.dtype == vdt and out.shape == ref.shape
         assert torch.isfinite(out).all(), "output elements left unwritten"
@@ -170,7 +171,7 @@ def test_fused_kernel_matches_float64_reference(gen, case):
     shapes, starts = shapes.cuda(), starts.cuda()
     expected = fused_reference(value, shapes, starts, ref_points, offsets, logits)
     for _ in range(2):
-        torch.full((value.numel() * 4,), float("nan"), device="cuda")
+        poison_allocator(value.numel() * 16)
         out = interface.msda_forward_fused(value, shapes, starts, ref_points, offsets, logits,
                                            **VARIANTS[case["variant"]])
         assert torch.isfinite(out).all(), "output elements left unwritten"
@@ -191,7 +192,7 @@ def test_kernel_on_a_large_batch_matches_reference(gen, order):
     ref = ms_deform_attn_reference(value[:2], shapes, starts, loc[:2], attn[:2], out_dtype=torch.float64)
     # one round (single CTAs); many rounds; the default; the default through the order table
     for tuning in (dict(window_fraction=0.0), dict(window_fraction=0.01), {}, dict(reorder_queries=True)):
-        torch.full((value.numel(),), float("nan"), device="cuda")
+        poison_allocator(value.numel() * 4)
         out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
         assert rel_err(out[:2], ref) <= BOUND[torch.float16]
         assert torch.isfinite(out).all()
@@ -217,7 +218,7 @@ def test_decoder_batch_with_several_segments_a_pair(gen):
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
     outs = []
     for _ in range(2):
-        torch.full((value.numel(),), float("nan"), device="cuda")
+        poison_allocator(value.numel() * 4)
         outs.append(interface.msda_forward(value, shapes, starts, loc, attn))
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], ref) <= BOUND[torch.float16]
@@ -235,7 +236,7 @@ def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
     outs = []
     for tuning in ({}, dict(prefetch_levels=False)):
-        torch.full((value.numel(),), float("nan"), device="cuda")
+        poison_allocator(value.numel() * 4)
         outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], ref) <= BOUND[torch.float16]
@@ -250,7 +251,7 @@ def test_tma_boxes_are_deterministic_at_decoder_scale(gen, cluster_size):
     ref = ms_deform_attn_reference(value[:1], shapes, starts, loc[:1], attn[:1], out_dtype=torch.float64)
     outs = []
     for _ in range(4):
-        torch.full((value.numel(),), float("nan"), device="cuda")
+        poison_allocator(value.numel() * 4)
         outs.append(interface.msda_forward(value, shapes, starts, loc, attn, fine_gather="tma",
                                            cluster_size=cluster_size))
     assert all(torch.isfinite(o).all() for o in outs)
