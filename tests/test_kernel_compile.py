@@ -13,6 +13,7 @@ if not interface.available():
 from cute_deform.hopper import kernel, tile_scheduler  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
+from cute_deform.hopper.order import ORDER_BANDS, ORDER_COLUMNS, OrderConfig  # noqa: E402
 
 TUNING = interface.TUNING
 
@@ -463,16 +464,19 @@ def test_launch_choices_follow_the_caller():
     assert "permuted" not in launch_of(cfg, 1 << 20, 16, 20000)[0]
 
 
+def raster_cells(xy):
+    """order.py's cell of each (x, y): bands of y, then columns of x."""
+    unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
+    band = (unit[..., 1] * (ORDER_BANDS - 1)).long()
+    return band * ORDER_COLUMNS + (unit[..., 0] * (ORDER_COLUMNS - 1)).long()
+
+
 def test_query_order_is_a_spatial_permutation():
     gen = torch.Generator().manual_seed(5)
     N, Lq = 3, 500
-    cells = interface.ORDER_CELLS
 
     def sorted_keys(xy, order):
-        """The raster-cell keys of each image's positions taken in `order`."""
-        xy = xy.gather(1, order[..., None].expand(N, Lq, 2))
-        cell = (xy.nan_to_num(nan=1.0).clamp(0, 1) * (cells - 1)).long()
-        return cell[..., 1] * cells + cell[..., 0]
+        return raster_cells(xy.gather(1, order[..., None].expand(N, Lq, 2)))
 
     loc = torch.rand(N, Lq, 8, 4, 2, 2, generator=gen)
     loc[1, 7, 0, 0, 0] = float("nan")
@@ -497,7 +501,20 @@ def test_query_order_of_many_images():
     order = interface.query_order(loc, None)
     assert torch.equal(order.sort(1).values, torch.arange(Lq).expand(N, Lq))
     y = loc[:, :, 0, 0, 0, 1].gather(1, order)
-    assert (torch.floor(y * (interface.ORDER_CELLS - 1)).diff() >= 0).all()
+    assert (torch.floor(y * (ORDER_BANDS - 1)).diff() >= 0).all()
+
+
+def test_order_kernel_compiles_for_sm90a(tmp_path):
+    """The device order table (order.py) for each position dtype: a counting sort in shared memory, its
+    places handed out by shared-memory atomics between three block barriers."""
+    for dtype in ("float32", "float16", "bfloat16"):
+        folder = tmp_path / dtype
+        folder.mkdir()
+        interface.compile_kernel(OrderConfig(dtype), f"--keep-ptx --dump-dir={folder}")
+        ptx = "".join(p.read_text() for p in folder.rglob("*.ptx"))
+        assert ptx.count("atom.shared.cta.add.u32") >= 2
+        assert ptx.count("bar.sync") >= 4
+        assert "st.global.b64" in ptx or "st.global.u64" in ptx
 
 
 def _meta_call(N, Lq, levels=((92, 160), (46, 80), (23, 40), (12, 20)), M=8, P=8, D=32):

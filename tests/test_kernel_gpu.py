@@ -198,6 +198,40 @@ def test_kernel_on_a_large_batch_matches_reference(gen, order):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_order_table_on_the_device_is_a_raster_permutation(gen, dtype):
+    """order.py's table: each image's queries once each, in raster order of the same cells the host's sort
+    uses, NaN positions last and positions outside [0, 1] at the edge; a fused call's reference points
+    decide; the table poisoned before each run."""
+    N, Lq, M, L, P = 3, 5000, 8, 4, 2
+    loc = torch.rand(N, Lq, M, L, P, 2, generator=gen).to(dtype)
+    loc[1, 17, 0, 0, 0] = float("nan")
+    loc[2, 40, 0, 0, 0] = torch.tensor([-3.0, 7.0])
+    loc = loc.cuda()
+    ref = torch.rand(N, Lq, L, 2, generator=gen).to(dtype).cuda()
+    for positions, xy in ((None, loc[:, :, 0, 0, 0]), (ref, ref[:, :, 0])):
+        poison_allocator(N * Lq * 8)
+        order = interface.query_order(loc, positions)
+        host = interface.query_order(loc.cpu(), None if positions is None else positions.cpu())
+        assert order.dtype == torch.int64 and order.shape == (N, Lq)
+        assert torch.equal(order.sort(1).values.cpu(), torch.arange(Lq).expand(N, Lq)), "a permutation of each image"
+        unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
+        cells = ((unit[..., 1] * 511).long() * 64 + (unit[..., 0] * 63).long()).cpu()
+        assert torch.equal(cells.gather(1, order.cpu()), cells.gather(1, host)), "the host sort's cells, in order"
+        assert (cells.gather(1, order.cpu()).diff() >= 0).all()
+    assert interface.query_order(loc, None)[1, -1] == 17, "a NaN position sorts last"
+
+
+def test_order_table_of_a_large_image_falls_back_to_the_sort(gen):
+    """Images of more queries than one CTA takes are sorted on the device by torch (the same cells)."""
+    Lq = interface.ORDER_MAX_QUERIES + 5
+    loc = torch.rand(1, Lq, 1, 1, 1, 2, generator=gen).cuda()
+    order = interface.query_order(loc, None)
+    assert torch.equal(order.sort(1).values, torch.arange(Lq, device="cuda").view(1, Lq))
+    y = loc[0, :, 0, 0, 0, 1][order[0]]
+    assert (torch.floor(y * 511).diff() >= 0).all()
+
+
 DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
 
 

@@ -8,6 +8,7 @@ One concern per module:
 - sampling.py        the per-sample bilinear arithmetic
 - kernel.py          the tiled kernel (MSDAForward): TMA atoms, shared storage, producer and consumer roles
 - generic.py         the generic kernel for every other shape (any head dim, more levels or points)
+- order.py           the order table: each image's queries by position (a counting sort on the device)
 - interface.py       torch glue: configuration, compile cache, launch
 """
 from .interface import available, check_supported, msda_forward, msda_forward_fused  # noqa: F401

@@ -38,6 +38,7 @@ from .._cache import cache_dir
 from . import tile_scheduler
 from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
+from .order import ORDER_BANDS, ORDER_COLUMNS, ORDER_MAX_QUERIES, OrderConfig
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
@@ -52,13 +53,9 @@ WINDOW_L2_FRACTION = 1.0
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
-# run the kernel through that order (reorder_queries="auto"): the sort costs a few launches and
-# tens of microseconds, which only large problems earn back (docs/performance.md).
+# run the kernel through that order (reorder_queries="auto"): the order table (order.py, two launches) and
+# the table's per-row copies only pay on large problems (docs/performance.md).
 REORDER_MIN_SAMPLES = 1 << 26
-# Queries are sorted in raster order on a grid of ORDER_CELLS x ORDER_CELLS cells, finer than any level:
-# 512 measured 2.7% faster than 128 on seed-b48, queries sorted or shuffled (H100).
-ORDER_BITS = 9
-ORDER_CELLS = 1 << ORDER_BITS
 # Single-CTA launches (choose_launch) take one producer warp for all groups, and this many groups and
 # setup (KernelConfig.split_setup), by kernel (docs/performance.md, sessions 7 and 8; H100):
 # - fp16/bf16 value, up to 16 samples a query: seven groups, every thread its own setup (detr-encoder
@@ -103,6 +100,10 @@ def _row_major(dtype, shape, align=None):
 
 def _fake_args(cfg):
     """Fake tensors with symbolic N, S, Lq and grid: one compiled kernel serves every size."""
+    if isinstance(cfg, OrderConfig):  # positions (N, Lq, row), the cells (N, Lq) and the table (N, Lq)
+        n, lq = cute.sym_int(), cute.sym_int()
+        return [_row_major(_dsl(cfg.position_dtype), (n, lq, cute.sym_int())), _row_major(cutlass.Int32, (n, lq)),
+                _row_major(cutlass.Int64, (n, lq))]
     n, s, lq, grid = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     M, L, P, D = cfg.num_heads, cfg.num_levels, cfg.num_points, cfg.head_dim
     vdt, ldt, adt = _dsl(cfg.value_dtype), _dsl(cfg.loc_dtype), _dsl(cfg.attn_dtype)
@@ -131,6 +132,8 @@ def compile_kernel(cfg, extra_options: str = ""):
     and extra_options="--keep-ptx --dump-dir=DIR" writes the PTX."""
     if isinstance(cfg, GenericConfig):
         from .generic import MSDAGeneric as Kernel
+    elif isinstance(cfg, OrderConfig):
+        from .order import QueryOrder as Kernel
     else:
         from .kernel import MSDAForward as Kernel
     return cute.compile(
@@ -292,6 +295,9 @@ def precompile(configs, jobs: int | None = None, variants: bool = True) -> None:
     import multiprocessing
 
     variants = [v for cfg in configs for v in (launch_variants(cfg) if variants else [cfg])]
+    # Launches through the order table also run the order kernel on their positions.
+    variants += [OrderConfig(cfg.ref_dtype if cfg.fused else cfg.loc_dtype) for cfg in variants
+                 if isinstance(cfg, KernelConfig) and cfg.permuted]
     todo = [cfg for cfg in dict.fromkeys(variants) if cfg not in _compiled]
     if cache_dir() is None or len(todo) <= 1:
         for cfg in todo:
@@ -425,19 +431,29 @@ def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_
 
 
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """(N, Lq) int64: each image's queries sorted by position, on the device. The position is the
-    reference point's (fused) or the first sample's of head 0 at level 0, in a grid of ORDER_CELLS
-    bands of y by ORDER_CELLS columns of x (raster order, finer than any level). Any order is correct
-    (the kernel computes each query once); a spatial one lets the queries of a tile share footprints.
-    NaN positions sort last, positions outside [0, 1] at the nearest edge."""
+    """(N, Lq) int64: each image's queries in raster order of cells of their positions, on the device
+    (order.py: ORDER_BANDS bands of y by ORDER_COLUMNS columns of x). The position is the reference
+    point's (fused) or the first sample's of head 0 at level 0. Any order is correct (the kernel computes
+    each query once); a spatial one lets the queries of a tile share footprints. NaN positions sort last,
+    positions outside [0, 1] at the nearest edge. On a GPU the order kernel counts queries into cells
+    (the order inside a cell is arbitrary); elsewhere, and for images of more than ORDER_MAX_QUERIES
+    queries, a sort of (image, cell) keys gives the same cells in the same order."""
+    positions = ref if ref is not None else loc
+    N, Lq = positions.shape[:2]
+    if positions.is_cuda and Lq <= ORDER_MAX_QUERIES and positions.is_contiguous() and available():
+        order = torch.empty((N, Lq), dtype=torch.int64, device=positions.device)
+        if N and Lq:
+            cells = torch.empty((N, Lq), dtype=torch.int32, device=positions.device)
+            kernel_for(OrderConfig(TORCH_TO_NAME[positions.dtype]))(positions.view(N, Lq, -1), cells, order)
+        return order
     xy = ref[:, :, 0, :2] if ref is not None else loc[:, :, 0, 0, 0, :]
-    N, Lq = xy.shape[:2]
     # One flat sort of (image, cell) keys: torch's per-row sort of (N, Lq) was 200 us on seed-b48 (H100).
-    wide = N >= 1 << (31 - 2 * ORDER_BITS)
-    dtype = torch.int64 if wide else torch.int32
-    cell = xy.float().nan_to_num(nan=1.0).clamp_(0.0, 1.0).mul_(ORDER_CELLS - 1).to(dtype)
-    key = cell[..., 1].mul(ORDER_CELLS).add_(cell[..., 0])
-    key.add_(torch.arange(0, N << 2 * ORDER_BITS, 1 << 2 * ORDER_BITS, device=xy.device, dtype=dtype).view(N, 1))
+    cell_bits = (ORDER_BANDS * ORDER_COLUMNS).bit_length() - 1
+    dtype = torch.int64 if N >= 1 << (31 - cell_bits) else torch.int32
+    unit = xy.float().nan_to_num(nan=1.0).clamp_(0.0, 1.0)
+    band = unit[..., 1].mul(ORDER_BANDS - 1).to(dtype)
+    key = band.mul_(ORDER_COLUMNS).add_(unit[..., 0].mul(ORDER_COLUMNS - 1).to(dtype))
+    key.add_(torch.arange(0, N << cell_bits, 1 << cell_bits, device=xy.device, dtype=dtype).view(N, 1))
     first = torch.arange(0, N * Lq, Lq, device=xy.device, dtype=torch.int64).view(N, 1)
     return torch.argsort(key.view(-1)).view(N, Lq).sub_(first)
 
