@@ -1,4 +1,4 @@
-"""The order table on the device: each image's queries by position, one CTA an image.
+"""The order table on the device: each image's queries by position.
 
 The tiled kernel can take a tile's queries through a table (KernelConfig.permuted), so that the queries
 of a tile are spatial neighbours whatever order the caller hands them over in. The table needs no full
@@ -6,9 +6,10 @@ sort: a counting sort into ORDER_BANDS x ORDER_COLUMNS cells of the unit square 
 y, then columns of x) puts neighbours side by side, and the order inside a cell does not matter. Each
 query's output is computed on its own in a fixed order, so a different table gives the same bits.
 
-A first launch finds every query's cell; then a CTA takes one image: it counts its queries per cell in shared memory, turns the counts into each cell's
-first place (an exclusive scan), then hands every query the next place of its cell (a shared-memory
-atomic: the order inside a cell is whichever thread came first). The position of a query is the first
+A first launch finds every query's cell (a thread a query). Then a CTA takes one image: it counts its
+queries per cell in shared memory, turns the counts into each cell's first place (an exclusive scan), then
+hands every query the next place of its cell (a shared-memory atomic: the order inside a cell is whichever
+thread came first). The position of a query is the first
 two numbers of its row of `positions` (the first sample's location, or the first level's reference
 point); NaN counts as 1 and anything outside [0, 1] as the nearest edge.
 """
@@ -23,10 +24,13 @@ try:
 except Exception:
     pass
 
-ORDER_BANDS = 512  # bands of y: finer than any level's rows (512 measured 2.7% faster than 128 on seed-b48)
-ORDER_COLUMNS = 64  # columns of x inside a band: 32768 cells, 128 KB of counts in shared memory
+# Bands of y finer than any level's rows: a 512 x 512 raster measured 2.7% faster than 128 x 128 on seed-b48
+# (H100); 64 columns of x (32768 cells, 128 KB of counts in shared memory) timed the same as 512 (3812 against
+# 3784-3810 us through the host sort, docs/performance.md, session 24).
+ORDER_BANDS = 512
+ORDER_COLUMNS = 64
 ORDER_THREADS = 1024
-# Queries of one image the kernel takes; the host sorts larger images (one CTA would take too long).
+# Queries of one image the kernels take; larger images are sorted by torch (a CTA an image would take long).
 ORDER_MAX_QUERIES = 1 << 18
 
 
