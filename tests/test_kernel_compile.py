@@ -495,8 +495,9 @@ def test_query_order_is_a_spatial_permutation():
 
 
 def test_query_order_of_many_images():
-    """From 2^15 images the (image, cell) keys need 64 bits: each image still gets its own queries."""
-    N, Lq = 1 << 15, 3
+    """From 2^16 images the (image, cell) keys of the host sort need 64 bits: each image still gets its own
+    queries."""
+    N, Lq = 1 << 16, 3
     loc = torch.rand(N, Lq, 1, 1, 1, 2, generator=torch.Generator().manual_seed(6))
     order = interface.query_order(loc, None)
     assert torch.equal(order.sort(1).values, torch.arange(Lq).expand(N, Lq))
