@@ -6,6 +6,16 @@ import math
 import torch
 
 
+def raster_cells(xy: torch.Tensor) -> torch.Tensor:
+    """The order table's cell of each position (x, y) (cute_deform/hopper/order.py): bands of y, then columns
+    of x; NaN counts as 1 and positions outside [0, 1] as the nearest edge."""
+    from cute_deform.hopper.order import ORDER_BANDS, ORDER_COLUMNS
+
+    unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
+    band = (unit[..., 1] * (ORDER_BANDS - 1)).long()
+    return band * ORDER_COLUMNS + (unit[..., 0] * (ORDER_COLUMNS - 1)).long()
+
+
 def level_tensors(levels, device="cpu"):
     """spatial_shapes (L, 2) and level_start_index (L,) for levels given as (H, W) pairs."""
     shapes = torch.tensor(levels, dtype=torch.int64).view(-1, 2)

@@ -13,7 +13,8 @@ if not interface.available():
 from cute_deform.hopper import kernel, tile_scheduler  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
-from cute_deform.hopper.order import ORDER_BANDS, ORDER_COLUMNS, OrderConfig  # noqa: E402
+from cute_deform.hopper.order import ORDER_BANDS, OrderConfig  # noqa: E402
+from msda_testing import raster_cells  # noqa: E402
 
 TUNING = interface.TUNING
 
@@ -462,13 +463,6 @@ def test_launch_choices_follow_the_caller():
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32)
     assert launch_of(odd, 4096, 20000, 20000)[0]["permuted"]
     assert "permuted" not in launch_of(cfg, 1 << 20, 16, 20000)[0]
-
-
-def raster_cells(xy):
-    """order.py's cell of each (x, y): bands of y, then columns of x."""
-    unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
-    band = (unit[..., 1] * (ORDER_BANDS - 1)).long()
-    return band * ORDER_COLUMNS + (unit[..., 0] * (ORDER_COLUMNS - 1)).long()
 
 
 def test_query_order_is_a_spatial_permutation():

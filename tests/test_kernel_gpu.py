@@ -11,7 +11,7 @@ import torch
 
 from cute_deform import ms_deform_attn_reference
 from cute_deform.hopper import interface
-from msda_testing import (fused_inputs, fused_reference, make_inputs, poison_allocator, rel_err,
+from msda_testing import (fused_inputs, fused_reference, make_inputs, poison_allocator, raster_cells, rel_err,
                           sprinkle_special_locations)
 
 pytestmark = pytest.mark.gpu
@@ -209,22 +209,19 @@ def test_order_table_on_the_device_is_a_raster_permutation(gen, dtype):
     loc[2, 40, 0, 0, 0] = torch.tensor([-3.0, 7.0])
     loc = loc.cuda()
     ref = torch.rand(N, Lq, L, 2, generator=gen).to(dtype).cuda()
-    for positions, xy in ((None, loc[:, :, 0, 0, 0]), (ref, ref[:, :, 0])):
+    loc_cells = raster_cells(loc[:, :, 0, 0, 0]).cpu()
+    for positions, cells in ((None, loc_cells), (ref, raster_cells(ref[:, :, 0]).cpu())):
         poison_allocator(N * Lq * 8)
         order = interface.query_order(loc, positions)
         host = interface.query_order(loc.cpu(), None if positions is None else positions.cpu())
         assert order.dtype == torch.int64 and order.shape == (N, Lq)
         assert torch.equal(order.sort(1).values.cpu(), torch.arange(Lq).expand(N, Lq)), "a permutation of each image"
-        unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
-        cells = ((unit[..., 1] * 511).long() * 64 + (unit[..., 0] * 63).long()).cpu()
         assert torch.equal(cells.gather(1, order.cpu()), cells.gather(1, host)), "the host sort's cells, in order"
         assert (cells.gather(1, order.cpu()).diff() >= 0).all()
     # A NaN position sorts into the last cell (with any query at (1, 1), which bf16 rounding can make).
     order = interface.query_order(loc, None)[1].cpu()
-    unit = loc[1, :, 0, 0, 0].float().nan_to_num(nan=1.0).clamp(0, 1).cpu()
-    cells = (unit[:, 1] * 511).long() * 64 + (unit[:, 0] * 63).long()
     place = int((order == 17).nonzero())
-    assert (cells[order[place:]] == 511 * 64 + 63).all(), "a NaN position sorts last"
+    assert (loc_cells[1, order[place:]] == 511 * 64 + 63).all(), "a NaN position sorts last"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the table is built with no host sync
     try:
