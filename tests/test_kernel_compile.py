@@ -55,7 +55,8 @@ VARIANTS = [
     # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines, and keep the levels other than
     # the finest in L2 (evict-last).
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
-                            producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True)),
+                            producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
+                            segment_cost=4)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
     # evicted from L1 first, the first tiles' inputs issued before the prologue), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
@@ -266,7 +267,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                            line_prefetch=True, coarse_evict_last=True),
+                                            line_prefetch=True, coarse_evict_last=True, segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2)]
@@ -292,9 +293,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
 @pytest.mark.parametrize("preset,N,Lq,S,P,expected", [
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
     # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
-    # the levels other than the finest evict-last in L2
+    # the levels other than the finest evict-last in L2; up to 16 samples a query, a segment's start counts
+    # for four tiles
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                              line_prefetch=True, coarse_evict_last=True)),
+                                              line_prefetch=True, coarse_evict_last=True, segment_cost=4)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
@@ -324,7 +326,7 @@ def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
     assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
-                           **(dict(coarse_evict_last=True) if rounds == 1 else {}))
+                           **(dict(coarse_evict_last=True, segment_cost=4) if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
@@ -559,14 +561,51 @@ def test_launch_arguments_and_the_per_size_cache(monkeypatch):
     assert cfg.fine_gather == "tma" and args[8].shape == (grid, cfg.map_slots, 16)
 
 
-def ranges(num_tiles, blocks, clusters, schedule):
+def ranges(num_tiles, blocks, clusters, schedule, segment_cost=0):
     """The tile ranges of the device's TileScheduler.boundary, in exact integers."""
     count = clusters * schedule.rounds
     segments = num_tiles // blocks
 
     def boundary(i):
-        return i * segments // count * blocks if schedule.whole else i * num_tiles // count
+        if schedule.whole:
+            return i * segments // count * blocks
+        span = blocks + segment_cost
+        v = i * (num_tiles + segment_cost * segments) // count
+        k = v // span
+        return min(k * blocks + max(v - k * span - segment_cost, 0), num_tiles)
     return [(boundary(i), boundary(i + 1)) for i in range(count)]
+
+
+@pytest.mark.parametrize("N,M,blocks,clusters,rounds", [(2, 8, 695, 132, 1), (1, 8, 475, 132, 1), (4, 8, 695, 132, 2),
+                                                        (3, 5, 7, 2, 3), (1, 1, 1, 132, 1)])
+@pytest.mark.parametrize("cost", [1, 4, 9])
+def test_segment_cost_covers_every_tile_once_and_shortens_the_ranges_that_cross_a_segment(N, M, blocks, clusters,
+                                                                                         rounds, cost):
+    num_tiles = N * M * blocks
+    schedule = tile_scheduler.Schedule(rounds, False)
+    spans = ranges(num_tiles, blocks, clusters, schedule, cost)
+    assert spans[0][0] == 0 and spans[-1][1] == num_tiles
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and all(b <= e for b, e in spans)
+    count = clusters * rounds
+    share = -(-(num_tiles + cost * N * M) // count)  # the longest range of the longer sequence
+    for begin, end in spans:
+        # each segment start inside a range takes `cost` of its share
+        starts_inside = len([s for s in range(blocks, num_tiles, blocks) if begin < s < end])
+        assert end - begin <= share + 1 - cost * starts_inside, (begin, end)
+    if cost < num_tiles // count < blocks // 2:  # ranges shorter than half a segment: some cross, most do not
+        crossing = [e - b for b, e in spans if b // blocks != (e - 1) // blocks]
+        others = [e - b for b, e in spans if b // blocks == (e - 1) // blocks]
+        assert crossing and max(crossing) < max(others)
+
+
+def test_the_encoders_segment_cost_stays_within_an_int32():
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32, segment_cost=4)
+    with pytest.raises(ValueError, match="segment_cost"):
+        launch_of(cfg, 2**15, 2**14, 22223, fixed={"segment_cost"})
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    assert "segment_cost" in launch_of(cfg, 2, 22223, 22223)[0]
+    with pytest.raises(ValueError, match="segment_cost"):
+        tiled("float16", "float32", "float32", 8, 4, 4, 32, segment_cost=-1)
 
 
 @pytest.mark.parametrize("N,M,blocks,clusters", [(48, 8, 482, 66), (8, 8, 29, 66), (1, 8, 475, 66), (2, 8, 695, 66),

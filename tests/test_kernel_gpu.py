@@ -300,6 +300,23 @@ def test_decoder_batch_with_several_segments_a_pair(gen):
     assert rel_err(outs[0], ref) <= BOUND[torch.float16]
 
 
+def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
+    """detr-encoder's launch (single CTAs, one round) counts each segment's start as segment_cost tiles, so the
+    ranges differ from an even split: every image within the bound of float64, and bitwise equal to the even
+    split (segment_cost=0)."""
+    value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=2, queries=22223)
+    S = value.shape[1]
+    cfg = launched_config(value, loc, attn, None, {}, 2, 22223, S)
+    assert cfg.cluster_size == 1 and cfg.segment_cost > 0
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    outs = []
+    for tuning in ({}, dict(segment_cost=0)):
+        poison_allocator(value.numel() * 4)
+        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], ref) <= BOUND[torch.float16]
+
+
 @pytest.mark.parametrize("levels", [DETR_LEVELS,
                                     # the prefetched level last in value: its last box runs past S
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])

@@ -104,10 +104,17 @@ class KernelConfig(ProblemConfig):
     # to read most of (MSDAForward.prefetch_levels): their gathers then wait on L2, not DRAM. A launch rule
     # for CTA pairs over one whole segment each (interface.choose_launch, which has the measurements).
     prefetch_levels: bool = False
+    # Tiles a segment's start counts for where the tile sequence is cut into ranges that are not whole
+    # segments: a range that crosses into the next (image, head) waits there for every group (the barrier)
+    # and for the new staging, and takes that many fewer tiles. A launch rule (interface.choose_launch, which
+    # has the measurements).
+    segment_cost: int = 0
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
             raise ValueError(f"cute_deform: gather_batch must be in [1, {MAX_POINTS}], got {self.gather_batch!r}")
+        if not 0 <= self.segment_cost <= 1024:
+            raise ValueError(f"cute_deform: segment_cost must be in [0, 1024], got {self.segment_cost!r}")
         if self.vector_bytes not in (8, 16) or self.head_dim * self.itemsize % self.vector_bytes:
             raise ValueError(f"cute_deform: vector_bytes must be 8 or 16 and divide a head row "
                              f"({self.head_dim * self.itemsize} bytes), got {self.vector_bytes!r}")

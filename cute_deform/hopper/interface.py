@@ -71,6 +71,9 @@ SINGLE_CTA_SIX = dict(num_groups=6, producers=1, split_setup=False)
 # Through the order table each group keeps its own producer warp (its per-row copies are a warp's work):
 # six groups fit in 1024 threads.
 SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
+# Tiles a segment's start counts for in one round of single CTAs at up to 16 samples a query (the P = 4
+# encoders; KernelConfig.segment_cost, choose_launch has the measurements).
+SEGMENT_COST = 4
 
 
 def available() -> bool:
@@ -246,8 +249,12 @@ def launch_variants(cfg) -> list:
         single = dict(cluster_size=1, **_single_cta(cfg))
         if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
-            # ... and over one round, the coarser L1 levels evict-last in L2
-            out.append(dataclasses.replace(cfg, coarse_evict_last=True, **single))
+            # ... and over one round, the coarser L1 levels evict-last in L2 (up to 16 samples a query, with
+            # each segment's start counted as SEGMENT_COST tiles)
+            one_round = dict(coarse_evict_last=True)
+            if cfg.level_points <= 16:
+                one_round["segment_cost"] = SEGMENT_COST
+            out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
@@ -593,6 +600,14 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
+        if cfg.level_points <= 16 and "segment_cost" not in fixed and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST):
+            # ... and at up to 16 samples a query (detr-encoder, -init) a segment's start counts for four tiles:
+            # the ranges that cross into a new (image, head), which wait for every group and the new staging
+            # there, take fewer. Four runs in two calls (H100, session 25): detr-encoder 129.4-131.8 ->
+            # 126.6-128.6 us, -init 117.6-119.9 -> 115.7-118.7 (2, 3, 4 and 6 tiles within 1%); H200, two runs:
+            # detr-encoder tied (120.7-121.1 -> 121.0-121.2), -init 111.2-112.0 -> 110.8. Lost: dcnv4-test
+            # (P = 8, 84.3 -> 88.8-89.7) and two rounds (N=4 detr-encoder shapes, 245.0 -> 258.1-260.1).
+            changes["segment_cost"] = SEGMENT_COST
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
         # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long). One
@@ -618,7 +633,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     batch = _launch_gather_batch(cfg, schedule.whole, permuted)
     if batch > 1 and "gather_batch" not in fixed:
         changes["gather_batch"] = batch
+    cost = changes.get("segment_cost", cfg.segment_cost)
+    if cost and not _segment_cost_fits(N, Lq, cfg, cost):
+        raise ValueError(f"cute_deform: segment_cost={cost} with N={N}, Lq={Lq}: the tile count plus the segments' "
+                         "costs must stay below 2^31")
     return changes, grid, schedule
+
+
+def _segment_cost_fits(N: int, Lq: int, cfg, cost: int) -> bool:
+    """Whether the tile sequence with each segment `cost` tiles longer (TileScheduler.boundary) fits an Int32:
+    at most N * M * Lq tiles, as many segments."""
+    return N * cfg.num_heads * max(Lq, 1) * (1 + cost) < 2**31
 
 
 # The GPU a launch is planned for where none is at hand (compiling ahead on another machine): an H100 or

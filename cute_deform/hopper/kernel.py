@@ -218,7 +218,8 @@ class MSDAForward:
         Lq = mLoc.shape[1]
         blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
         clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
-        scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M)
+        scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M,
+                                         self.cfg.segment_cost)
         rank = cutlass.Int32(0)
         if cutlass.const_expr(self.cluster > 1):
             rank = cutlass.Int32(cute.arch.block_idx_in_cluster())

@@ -10,7 +10,9 @@ in the batch, and when the queries of a tile are not spatial neighbours (queries
 decoders) their footprints spread over the whole slice and L2 thrashes.
 
 With `whole` (few queries per image and head), range boundaries fall between segments: each cluster
-then stages each of its segments once and meets no barrier in the middle of one.
+then stages each of its segments once and meets no barrier in the middle of one. Otherwise a range that
+crosses into a new segment waits there (a barrier, then the new staging); with `segment_cost` the split
+counts each segment's start as that many tiles, and such a range takes fewer.
 """
 from __future__ import annotations
 
@@ -69,17 +71,29 @@ class TileScheduler:
     whole: object
     cluster_id: object
     num_heads: int
+    segment_cost: int = 0
 
     @staticmethod
-    def create(num_tiles, blocks, clusters, rounds, whole, cluster_id, num_heads: int) -> "TileScheduler":
+    def create(num_tiles, blocks, clusters, rounds, whole, cluster_id, num_heads: int,
+               segment_cost: int = 0) -> "TileScheduler":
         return TileScheduler(cutlass.Int32(num_tiles), cutlass.Int32(blocks), cutlass.Int32(clusters),
-                             cutlass.Int32(clusters * rounds), whole, cutlass.Int32(cluster_id), num_heads)
+                             cutlass.Int32(clusters * rounds), whole, cutlass.Int32(cluster_id), num_heads,
+                             segment_cost)
 
     @cute.jit
     def boundary(self, i):
         """Where range i begins: an even split of the tiles, or of the segments when whole."""
         even = cutlass.Int64(i) * self.num_tiles // self.ranges
         segments = self.num_tiles // self.blocks
+        if cutlass.const_expr(self.segment_cost > 0):
+            # Each segment counts segment_cost tiles more at its start (its staging): an even split of
+            # the longer sequence, mapped back to tiles (a boundary inside a start lands on the segment).
+            # The longer sequence fits an Int32 (interface.choose_launch).
+            span = self.blocks + self.segment_cost
+            v = cutlass.Int64(i) * (cutlass.Int64(self.num_tiles) + self.segment_cost * segments) // self.ranges
+            k = cutlass.Int32(v) // span
+            even = cutlass.Int64(k * self.blocks + cutlass.max(cutlass.Int32(v) - k * span - self.segment_cost, 0))
+            even = cutlass.min(even, cutlass.Int64(self.num_tiles))
         whole = cutlass.Int64(i) * segments // self.ranges * self.blocks
         return cutlass.Int32(cutlass.select_(self.whole != 0, whole, even))
 
