@@ -302,8 +302,9 @@ def test_decoder_batch_with_several_segments_a_pair(gen):
 
 def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     """detr-encoder's launch (single CTAs, one round) counts each segment's start as segment_cost tiles, so the
-    ranges differ from an even split: every image within the bound of float64, and bitwise equal to the even
-    split (segment_cost=0)."""
+    ranges differ from an even split: every query of every image written (outputs poisoned) and within the
+    bound of float64, as with the even split (segment_cost=0). Not bitwise: the launch alternates a tile's
+    staged and L1 levels by the tile's turn in its group, so a query's sum order follows the ranges."""
     value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=2, queries=22223)
     S = value.shape[1]
     cfg = launched_config(value, loc, attn, None, {}, 2, 22223, S)
@@ -313,8 +314,9 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     for tuning in ({}, dict(segment_cost=0)):
         poison_allocator(value.numel() * 4)
         outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], ref) <= BOUND[torch.float16]
+    for out in outs:
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16]
+    assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
 @pytest.mark.parametrize("levels", [DETR_LEVELS,
