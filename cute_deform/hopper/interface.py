@@ -600,14 +600,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
-        if cfg.level_points <= 16 and "segment_cost" not in fixed and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST):
-            # ... and at up to 16 samples a query (detr-encoder, -init) a segment's start counts for four tiles:
-            # the ranges that cross into a new (image, head), which wait for every group and the new staging
-            # there, take fewer. Four runs in two calls (H100, session 25): detr-encoder 129.4-131.8 ->
-            # 126.6-128.6 us, -init 117.6-119.9 -> 115.7-118.7 (2, 3, 4 and 6 tiles within 1%); H200, two runs:
-            # detr-encoder tied (120.7-121.1 -> 121.0-121.2), -init 111.2-112.0 -> 110.8. Lost: dcnv4-test
-            # (P = 8, 84.3 -> 88.8-89.7) and two rounds (N=4 detr-encoder shapes, 245.0 -> 258.1-260.1).
-            changes["segment_cost"] = SEGMENT_COST
+    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
+            and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
+            and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
+        # One round of them at up to 16 samples a query (detr-encoder, -init): a segment's start counts for
+        # four tiles, so the ranges that cross into a new (image, head), which wait there for every group
+        # and the new staging, take fewer. H100, session 25, against segment_cost=0, four runs in three calls:
+        # detr-encoder 129.5 / 129.4 / 128.2 / 129.5 -> 128.0 / 126.7 / 126.3 / 127.8 us (2-6 tiles within
+        # 1%), -init 119.2 / 117.6 / 117.6 / 118.1 -> 117.4 / 116.0 / 116.3 / 116.2. H200, two calls: tied
+        # (detr-encoder 121.1 / 121.3 -> 121.1-121.2, -init 112.0 / 111.2 -> 110.8-111.2). Lost: dcnv4-test
+        # (P = 8, 84.3 -> 88.8-89.7) and two rounds (N=4 detr-encoder shapes, 245.0 -> 258.1-260.1).
+        changes["segment_cost"] = SEGMENT_COST
     if schedule.whole and cfg.fine_gather == "ldg" and not cfg.l1_first and "l1_first" not in fixed:
         # Each cluster starts a segment at once: its first tiles gather the L1 levels while the
         # staging lands (measured 62 -> 55 us on detr-decoder; 4% slower where ranges are long). One
