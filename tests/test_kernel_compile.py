@@ -63,7 +63,8 @@ VARIANTS = [
                              gather_batch=4, finest_evict_first=True, early_inputs=True)),
     # ... and in single CTAs (decoder-b16's launch).
     ("early-inputs-single-cta", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, l1_first=True,
-                                      producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)),
+                                      producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True,
+                                      l1_first_tile=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
                                       gather_batch=3)),
     # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
@@ -265,7 +266,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
-                        dataclasses.replace(cfg, cluster_size=1, **whole),
+                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -305,7 +306,7 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
                                             early_inputs=True, vector_bytes=8, prefetch_levels=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
-                                            finest_evict_first=True, early_inputs=True)),
+                                            finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
     # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
 ])

@@ -319,6 +319,20 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
+def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
+    """decoder-b16's launch (single CTAs over one whole segment each) starts every group's first tile on the L1
+    levels: every image within the bound of float64, outputs poisoned, as without it (the first tile's level
+    order differs, so not bitwise)."""
+    value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=16, queries=300)
+    cfg = launched_config(value, loc, attn, None, {}, 16, 300, value.shape[1])
+    assert cfg.cluster_size == 1 and cfg.l1_first_tile and cfg.alternates
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    for tuning in ({}, dict(l1_first_tile=False)):
+        poison_allocator(value.numel() * 4)
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+
+
 @pytest.mark.parametrize("levels", [DETR_LEVELS,
                                     # the prefetched level last in value: its last box runs past S
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])

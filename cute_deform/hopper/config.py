@@ -109,6 +109,10 @@ class KernelConfig(ProblemConfig):
     # and for the new staging, and takes that many fewer tiles. A launch rule (interface.choose_launch, which
     # has the measurements).
     segment_cost: int = 0
+    # Where groups alternate (KernelConfig.alternates), every group's first tile of a segment gathers the L1
+    # levels first, while the staging lands; the tiles after it alternate as before. A launch rule for single
+    # CTAs over whole segments (interface.choose_launch, which has the measurements).
+    l1_first_tile: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -243,8 +243,9 @@ def launch_variants(cfg) -> list:
         if cfg.cluster_size > 1 and _half_vectors_measured(cfg, cfg.permuted):  # choose_launch's rules for pairs
             out.append(dataclasses.replace(cfg, vector_bytes=8, **whole))
             out.append(dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole))
-        if cfg.cluster_size > 1:  # whole segments in single CTAs
-            out.append(dataclasses.replace(cfg, cluster_size=1, **whole))
+        if cfg.cluster_size > 1:  # whole segments in single CTAs (their first tiles L1-first where groups alternate)
+            single = dataclasses.replace(cfg, cluster_size=1, **whole)
+            out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
         if _hints_measured(cfg, cfg.permuted):
@@ -557,6 +558,13 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # lost (92 against 61); with two segments a CTA (N=32 Lq=300) they tied (100.9 against 99.8).
         changes["cluster_size"] = 1
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
+        if dataclasses.replace(cfg, **changes).alternates and "l1_first_tile" not in fixed:
+            # ... where every group's first tile gathers the L1 levels while the staging lands (with groups
+            # alternating, half of them otherwise wait for it first: a globaltimer build showed those groups
+            # ending 2.7 us after the others on decoder-b16). Three runs, H100 (session 25): decoder-b16
+            # 53.3 / 53.8 / 53.5 -> 52.5 / 52.4 / 52.7 us. Lost on CTA pairs over whole segments (detr-decoder
+            # 57.0 / 57.0 / 57.5 -> 58.0 / 58.1 / 57.6) and on the encoders (125.6-126.0 -> 128.7-129.7).
+            changes["l1_first_tile"] = True
     if (schedule.whole and changes.get("cluster_size", cfg.cluster_size) > 1 and _half_vectors_measured(cfg, permuted)
             and "vector_bytes" not in fixed):
         # CTA pairs over whole segments (detr-decoder, -ref): 8-byte vectors, eight threads a query and 16

@@ -628,7 +628,11 @@ class MSDAForward:
                         # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
                         staged_phase = 0
                         if cutlass.const_expr(self.cfg.alternates):
-                            staged_phase = ((tile - first) // self.tile_stride + g) % 2
+                            turn = (tile - first) // self.tile_stride
+                            staged_phase = (turn + g) % 2
+                            if cutlass.const_expr(self.cfg.l1_first_tile):
+                                # A segment's first tile: the L1 levels while the staging lands, in every group.
+                                staged_phase = cutlass.select_(turn == 0, 1, staged_phase)
                         box_state = self.gather_tile(acc, inputs, mValue, sStaged, sLevels, staging, box_rings,
                                                      box_state, storage, segment, n, m, read_slot, chunk,
                                                      staged_phase)
