@@ -83,9 +83,10 @@ class TileScheduler:
     @cute.jit
     def boundary(self, i):
         """Where range i begins: an even split of the tiles, or of the segments when whole."""
-        even = cutlass.Int64(i) * self.num_tiles // self.ranges
         segments = self.num_tiles // self.blocks
-        if cutlass.const_expr(self.segment_cost > 0):
+        if cutlass.const_expr(self.segment_cost == 0):
+            even = cutlass.Int64(i) * self.num_tiles // self.ranges
+        else:
             # Each segment counts segment_cost tiles more at its start (its staging): an even split of
             # the longer sequence, mapped back to tiles (a boundary inside a start lands on the segment).
             # The longer sequence fits an Int32 (interface.choose_launch).
