@@ -6,14 +6,17 @@ import math
 import torch
 
 
-def raster_cells(xy: torch.Tensor) -> torch.Tensor:
+def raster_cells(xy: torch.Tensor, shapes: torch.Tensor) -> torch.Tensor:
     """The order table's cell of each position (x, y) (cute_deform/hopper/order.py): bands of y, then columns
-    of x; NaN counts as 1 and positions outside [0, 1] as the nearest edge."""
-    from cute_deform.hopper.order import ORDER_BANDS, ORDER_COLUMNS
-
+    of x, order_grid's for the level table `shapes`; NaN counts as 1 and positions outside [0, 1] as the
+    nearest edge. Written out here, not taken from the code it checks."""
+    pixels = [int(h) * int(w) for h, w in shapes.tolist()]
+    H, W = shapes.tolist()[pixels.index(max(pixels))]
+    bands = min(max(H // 6, 1), 32768)
+    columns = min(max(W * 2 // 5, 1), 32768 // bands)
     unit = xy.float().nan_to_num(nan=1.0).clamp(0, 1)
-    band = (unit[..., 1] * (ORDER_BANDS - 1)).long()
-    return band * ORDER_COLUMNS + (unit[..., 0] * (ORDER_COLUMNS - 1)).long()
+    band = (unit[..., 1] * bands).long().clamp(max=bands - 1)
+    return band * columns + (unit[..., 0] * columns).long().clamp(max=columns - 1)
 
 
 def level_tensors(levels, device="cpu"):

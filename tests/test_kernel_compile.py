@@ -13,7 +13,7 @@ if not interface.available():
 from cute_deform.hopper import kernel, tile_scheduler  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
-from cute_deform.hopper.order import ORDER_BANDS, OrderConfig  # noqa: E402
+from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
 from msda_testing import raster_cells  # noqa: E402
 
 TUNING = interface.TUNING
@@ -468,17 +468,20 @@ def test_launch_choices_follow_the_caller():
     assert "permuted" not in launch_of(cfg, 1 << 20, 16, 20000)[0]
 
 
+ORDER_SHAPES = torch.tensor([(100, 167), (50, 84), (25, 42), (13, 21)])
+
+
 def test_query_order_is_a_spatial_permutation():
     gen = torch.Generator().manual_seed(5)
     N, Lq = 3, 500
 
     def sorted_keys(xy, order):
-        return raster_cells(xy.gather(1, order[..., None].expand(N, Lq, 2)))
+        return raster_cells(xy.gather(1, order[..., None].expand(N, Lq, 2)), ORDER_SHAPES)
 
     loc = torch.rand(N, Lq, 8, 4, 2, 2, generator=gen)
     loc[1, 7, 0, 0, 0] = float("nan")
     loc[2, 9, 0, 0, 0] = torch.tensor([-3.0, 7.0])  # outside: the nearest edge cell
-    order = interface.query_order(loc, None)
+    order = interface.query_order(loc, None, ORDER_SHAPES)
     assert order.dtype == torch.int64 and order.shape == (N, Lq)
     for n in range(N):
         assert sorted(order[n].tolist()) == list(range(Lq)), "a permutation of each image's queries"
@@ -486,9 +489,21 @@ def test_query_order_is_a_spatial_permutation():
     assert order[1, -1] == 7, "a NaN position sorts last"
     # Fused: the reference point of the first level decides.
     ref = torch.rand(N, Lq, 4, 2, generator=gen)
-    order = interface.query_order(loc, ref)
+    order = interface.query_order(loc, ref, ORDER_SHAPES)
     assert (sorted_keys(ref[:, :, 0], order).diff() >= 0).all()
     assert all(sorted(order[n].tolist()) == list(range(Lq)) for n in range(N))
+
+
+@pytest.mark.parametrize("levels, grid", [
+    ([(100, 167), (50, 84), (25, 42), (13, 21)], (16, 66)),  # DETR's levels: cells of 6.25 rows x 2.5 pixels
+    ([(12, 20), (92, 160), (46, 80)], (15, 64)),  # the finest level need not come first
+    ([(5, 3), (7, 2)], (1, 1)),  # small levels: one cell, never none
+    ([(4000, 4000)], (666, 49)),  # columns give way to keep 32768 cells at most
+])
+def test_order_grid_takes_cells_of_the_finest_level(levels, grid):
+    bands, columns = order_grid(torch.tensor(levels))
+    assert (int(bands), int(columns)) == grid
+    assert int(bands) * int(columns) <= 32768
 
 
 def test_query_order_of_many_images():
@@ -496,10 +511,10 @@ def test_query_order_of_many_images():
     queries."""
     N, Lq = 1 << 16, 3
     loc = torch.rand(N, Lq, 1, 1, 1, 2, generator=torch.Generator().manual_seed(6))
-    order = interface.query_order(loc, None)
+    order = interface.query_order(loc, None, ORDER_SHAPES)
     assert torch.equal(order.sort(1).values, torch.arange(Lq).expand(N, Lq))
     y = loc[:, :, 0, 0, 0, 1].gather(1, order)
-    assert (torch.floor(y * (ORDER_BANDS - 1)).diff() >= 0).all()
+    assert (torch.floor(y * 16).clamp(max=15).diff() >= 0).all()  # DETR's 16 bands, in order
 
 
 def test_order_kernel_compiles_for_sm90a(tmp_path):

@@ -209,24 +209,25 @@ def test_order_table_on_the_device_is_a_raster_permutation(gen, dtype):
     loc[2, 40, 0, 0, 0] = torch.tensor([-3.0, 7.0])
     loc = loc.cuda()
     ref = torch.rand(N, Lq, L, 2, generator=gen).to(dtype).cuda()
-    loc_cells = raster_cells(loc[:, :, 0, 0, 0]).cpu()
-    for positions, cells in ((None, loc_cells), (ref, raster_cells(ref[:, :, 0]).cpu())):
+    shapes = torch.tensor(DETR_LEVELS)
+    loc_cells = raster_cells(loc[:, :, 0, 0, 0], shapes).cpu()
+    for positions, cells in ((None, loc_cells), (ref, raster_cells(ref[:, :, 0], shapes).cpu())):
         poison_allocator(N * Lq * 8)
-        order = interface.query_order(loc, positions)
-        host = interface.query_order(loc.cpu(), None if positions is None else positions.cpu())
+        order = interface.query_order(loc, positions, shapes.cuda())
+        host = interface.query_order(loc.cpu(), None if positions is None else positions.cpu(), shapes)
         assert order.dtype == torch.int64 and order.shape == (N, Lq)
         assert torch.equal(order.sort(1).values.cpu(), torch.arange(Lq).expand(N, Lq)), "a permutation of each image"
         assert torch.equal(cells.gather(1, order.cpu()), cells.gather(1, host)), "the host sort's cells, in order"
         assert (cells.gather(1, order.cpu()).diff() >= 0).all()
     # A NaN position sorts into the last cell (with any query at (1, 1), which bf16 rounding can make).
-    order = interface.query_order(loc, None)[1].cpu()
+    order = interface.query_order(loc, None, shapes.cuda())[1].cpu()
     place = int((order == 17).nonzero())
-    last_cell = interface.ORDER_BANDS * interface.ORDER_COLUMNS - 1
+    last_cell = 16 * 66 - 1  # DETR's levels: 16 bands of 66 columns
     assert (loc_cells[1, order[place:]] == last_cell).all(), "a NaN position sorts last"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the table is built with no host sync
     try:
-        interface.query_order(loc, None)
+        interface.query_order(loc, None, shapes.cuda())
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -269,10 +270,10 @@ def test_order_table_of_a_large_image_falls_back_to_the_sort(gen):
     """Images of more queries than one CTA takes are sorted on the device by torch (the same cells)."""
     Lq = interface.ORDER_MAX_QUERIES + 5
     loc = torch.rand(1, Lq, 1, 1, 1, 2, generator=gen).cuda()
-    order = interface.query_order(loc, None)
+    order = interface.query_order(loc, None, torch.tensor(DETR_LEVELS).cuda())
     assert torch.equal(order.sort(1).values, torch.arange(Lq, device="cuda").view(1, Lq))
     y = loc[0, :, 0, 0, 0, 1][order[0]]
-    assert (torch.floor(y * (interface.ORDER_BANDS - 1)).diff() >= 0).all()
+    assert (torch.floor(y * 16).clamp(max=15).diff() >= 0).all()  # DETR's 16 bands, in order
 
 
 DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]

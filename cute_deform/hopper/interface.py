@@ -38,7 +38,7 @@ from .._cache import cache_dir
 from . import tile_scheduler
 from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
-from .order import ORDER_BANDS, ORDER_COLUMNS, ORDER_MAX_QUERIES, OrderConfig
+from .order import ORDER_CELLS, ORDER_MAX_QUERIES, OrderConfig, order_grid
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
@@ -103,9 +103,10 @@ def _row_major(dtype, shape, align=None):
 
 def _fake_args(cfg):
     """Fake tensors with symbolic N, S, Lq and grid: one compiled kernel serves every size."""
-    if isinstance(cfg, OrderConfig):  # positions (N, Lq, row), the cells (N, Lq) and the table (N, Lq)
+    if isinstance(cfg, OrderConfig):  # positions (N, Lq, row), the levels (L, 2), the cells and the table (N, Lq)
         n, lq = cute.sym_int(), cute.sym_int()
-        return [_row_major(_dsl(cfg.position_dtype), (n, lq, cute.sym_int())), _row_major(cutlass.Int32, (n, lq)),
+        return [_row_major(_dsl(cfg.position_dtype), (n, lq, cute.sym_int())),
+                _row_major(cutlass.Int64, (cute.sym_int(), 2)), _row_major(cutlass.Int32, (n, lq)),
                 _row_major(cutlass.Int64, (n, lq))]
     n, s, lq, grid = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     M, L, P, D = cfg.num_heads, cfg.num_levels, cfg.num_points, cfg.head_dim
@@ -438,29 +439,31 @@ def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_
         MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2)
 
 
-def query_order(loc: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+def query_order(loc: torch.Tensor, ref: torch.Tensor | None, shapes: torch.Tensor) -> torch.Tensor:
     """(N, Lq) int64: each image's queries in raster order of cells of their positions, on the device
-    (order.py: ORDER_BANDS bands of y by ORDER_COLUMNS columns of x). The position is the reference
-    point's (fused) or the first sample's of head 0 at level 0. Any order is correct (the kernel computes
-    each query once); a spatial one lets the queries of a tile share footprints. NaN positions sort last,
-    positions outside [0, 1] at the nearest edge. On a GPU the order kernel counts queries into cells
-    (the order inside a cell is arbitrary); elsewhere, and for images of more than ORDER_MAX_QUERIES
-    queries, a sort of (image, cell) keys gives the same cells in the same order."""
+    (order.py: bands of y by columns of x, about 6 x 2.5 pixels of the finest level of `shapes`, the (L, 2)
+    level table). The position is the reference point's (fused) or the first sample's of head 0 at level 0.
+    Any order is correct (the kernel computes each query once); a spatial one lets the queries of a tile
+    share footprints. NaN positions sort last, positions outside [0, 1] at the nearest edge. On a GPU the
+    order kernel counts queries into cells (the order inside a cell is arbitrary); elsewhere, and for images
+    of more than ORDER_MAX_QUERIES queries, a sort of (image, cell) keys gives the same cells in the same
+    order."""
     positions = ref if ref is not None else loc
     N, Lq = positions.shape[:2]
     if positions.is_cuda and Lq <= ORDER_MAX_QUERIES and positions.is_contiguous() and available():
         order = torch.empty((N, Lq), dtype=torch.int64, device=positions.device)
         if N and Lq:
             cells = torch.empty((N, Lq), dtype=torch.int32, device=positions.device)
-            kernel_for(OrderConfig(TORCH_TO_NAME[positions.dtype]))(positions.view(N, Lq, -1), cells, order)
+            kernel_for(OrderConfig(TORCH_TO_NAME[positions.dtype]))(positions.view(N, Lq, -1), shapes, cells, order)
         return order
     xy = ref[:, :, 0, :2] if ref is not None else loc[:, :, 0, 0, 0, :]
     # One flat sort of (image, cell) keys: torch's per-row sort of (N, Lq) was 200 us on seed-b48 (H100).
-    cell_bits = (ORDER_BANDS * ORDER_COLUMNS).bit_length() - 1
+    cell_bits = ORDER_CELLS.bit_length() - 1
     dtype = torch.int64 if N >= 1 << (31 - cell_bits) else torch.int32
+    bands, columns = (v.to(xy.device, dtype) for v in order_grid(shapes))
     unit = xy.float().nan_to_num(nan=1.0).clamp_(0.0, 1.0)
-    band = unit[..., 1].mul(ORDER_BANDS - 1).to(dtype)
-    key = band.mul_(ORDER_COLUMNS).add_(unit[..., 0].mul(ORDER_COLUMNS - 1).to(dtype))
+    band = torch.minimum(unit[..., 1].mul(bands).to(dtype), bands - 1)
+    key = band.mul_(columns).add_(torch.minimum(unit[..., 0].mul(columns).to(dtype), columns - 1))
     key.add_(torch.arange(0, N << cell_bits, 1 << cell_bits, device=xy.device, dtype=dtype).view(N, 1))
     first = torch.arange(0, N * Lq, Lq, device=xy.device, dtype=torch.int64).view(N, 1)
     return torch.argsort(key.view(-1)).view(N, Lq).sub_(first)
@@ -712,7 +715,7 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
         launch = plan.launches[size] = (runs, grid, schedule.rounds, int(schedule.whole))
     runs, grid, rounds, whole = launch
     # The kernel's own configuration says whether it reads the table (a caller may ask for permuted=True).
-    order = query_order(loc, ref) if runs.cfg.permuted else _placeholder(device, (1, 1))
+    order = query_order(loc, ref, shapes) if runs.cfg.permuted else _placeholder(device, (1, 1))
     if runs.cfg.fine_gather == "tma":
         maps = torch.empty((grid, runs.cfg.map_slots, 16), dtype=torch.int64, device=device)
     else:
