@@ -224,10 +224,11 @@ def test_order_table_on_the_device_is_a_raster_permutation(gen, dtype):
     place = int((order == 17).nonzero())
     last_cell = 16 * 66 - 1  # DETR's levels: 16 bands of 66 columns
     assert (loc_cells[1, order[place:]] == last_cell).all(), "a NaN position sorts last"
+    device_shapes = shapes.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # the table is built with no host sync
     try:
-        interface.query_order(loc, None, shapes.cuda())
+        interface.query_order(loc, None, device_shapes)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
