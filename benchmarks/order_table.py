@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         try:
             for label, limit in (("device", device_limit), ("host sort", 0)) * 2:
                 interface.ORDER_MAX_QUERIES = limit  # 0: every image goes to torch's sort
-                alone = bench(lambda: interface.query_order(loc, None))
+                alone = bench(lambda: interface.query_order(loc, None, shapes))
                 out = interface.msda_forward(value, shapes, starts, loc, attn, reorder_queries=True)
                 err = float((out[:1].float() - expected).norm() / expected.norm())
                 op = bench(lambda: interface.msda_forward(value, shapes, starts, loc, attn, reorder_queries=True))
