@@ -271,7 +271,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
-                        dataclasses.replace(cfg, permuted=True, gather_batch=2)]
+                        dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
@@ -279,7 +279,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
     assert interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True, producers=1, gather_batch=4),
-                                              dataclasses.replace(odd, permuted=True, gather_batch=2)]
+                                              dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
@@ -307,8 +307,9 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             early_inputs=True, vector_bytes=8, prefetch_levels=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
-    # a large batch: rounds and the order table (two samples' loads at once), CTA pairs
-    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2)),
+    # a large batch: rounds (over 0.9 of L2) and the order table (two samples' loads at once, whole-line L2
+    # fetches), CTA pairs
+    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2, line_prefetch=True)),
 ])
 def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
@@ -316,7 +317,9 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     assert changes == expected, preset
     assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["sms"]
     if preset == "seed-b48":
-        assert schedule.rounds > 1
+        # 0.9 of L2: 35 (image, head) slices of 1.25 MB a round, 11 rounds (all of L2: 10)
+        assert schedule.rounds == 11
+        assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
 
 
 @pytest.mark.parametrize("N,rounds", [(2, 1), (3, 2), (4, 2), (8, 4)])
@@ -426,9 +429,11 @@ def test_launch_choices_follow_the_caller():
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     # An explicit cluster size stays; reorder_queries forces the table on or off.
     assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
-    # Through the order table each group keeps its producer warp (six groups in 1024 threads).
+    # Through the order table each group keeps its producer warp (six groups in 1024 threads), and L2 gives
+    # whole lines; a caller's line_prefetch stays.
     assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6,
-                                                                  gather_batch=2)
+                                                                  gather_batch=2, line_prefetch=True)
+    assert "line_prefetch" not in launch_of(cfg, 2, 22223, 22223, reorder=True, fixed={"line_prefetch"})[0]
     hints = dict(line_prefetch=True, coarse_evict_last=True)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, **hints)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, **hints)

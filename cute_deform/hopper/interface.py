@@ -51,6 +51,12 @@ WINDOW_L2_FRACTION = 1.0
 # rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
 # L2, 497 with single CTAs and all of L2; N=2 keeps one round).
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
+# The window of launches through the order table (fp16/bf16 value, unfused), which also ask L2 for whole lines
+# (line_prefetch). With v44's patch cells, H100, two orders (session 26), µs: seed-b48 3597.6 / 3599.2 ->
+# 3470.4 / 3470.4, -shuffled 3614.6 / 3613.3 -> 3486.0 / 3486.4, N=32 seed shapes shuffled 2399.0 / 2397.5 ->
+# 2340.8 / 2341.0, N=64 around reference points 4838.2 / 4833.2 -> 4627.2 / 4627.3, N=24 detr encoders shuffled
+# 1442.7 / 1440.4 -> 1419.6 / 1421.8. Each alone gave part of it; 0.8 of L2 lost 5% on the N=24 encoders.
+TABLE_WINDOW_L2_FRACTION = 0.9
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the order table (order.py, two launches) and
@@ -259,7 +265,8 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
-        out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True)))
+        table = dict(line_prefetch=True) if _table_hints_measured(cfg) else {}  # choose_launch's rule for the table
+        out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
 
 
@@ -267,6 +274,12 @@ def _hints_measured(cfg, permuted: bool) -> bool:
     """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
     on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
     return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
+
+
+def _table_hints_measured(cfg) -> bool:
+    """The launches through the order table that TABLE_WINDOW_L2_FRACTION and its line_prefetch were measured on:
+    fp16/bf16 value, unfused, L1 gathers."""
+    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -531,6 +544,11 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     permuted = changes.get("permuted", cfg.permuted)
     shared_producer = cfg.prefetch_inputs and not permuted
+    if permuted and _table_hints_measured(cfg):
+        if given_window is None:
+            window = TABLE_WINDOW_L2_FRACTION
+        if "line_prefetch" not in fixed:
+            changes["line_prefetch"] = True
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and (not schedule.whole or not cfg.packed_math)))
