@@ -55,7 +55,8 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 # (line_prefetch). With v44's patch cells, H100, two orders (session 26), µs: seed-b48 3597.6 / 3599.2 ->
 # 3470.4 / 3470.4, -shuffled 3614.6 / 3613.3 -> 3486.0 / 3486.4, N=32 seed shapes shuffled 2399.0 / 2397.5 ->
 # 2340.8 / 2341.0, N=64 around reference points 4838.2 / 4833.2 -> 4627.2 / 4627.3, N=24 detr encoders shuffled
-# 1442.7 / 1440.4 -> 1419.6 / 1421.8. Each alone gave part of it; 0.8 of L2 lost 5% on the N=24 encoders.
+# 1442.7 / 1440.4 -> 1419.6 / 1421.8. Each alone gave part of it; 0.8 of L2 lost 5% on the N=24 encoders. The H200
+# does not gain (seed-b48 3506.4 / 3502.3 -> 3520.1 / 3523.2): the plan knows SMs and L2, which the two share.
 TABLE_WINDOW_L2_FRACTION = 0.9
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
