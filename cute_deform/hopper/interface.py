@@ -266,21 +266,21 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
-        table = dict(line_prefetch=True) if _table_hints_measured(cfg) else {}  # choose_launch's rule for the table
+        table = dict(line_prefetch=True) if _packed_ldg(cfg) else {}  # choose_launch's rule for the table
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
 
 
+def _packed_ldg(cfg) -> bool:
+    """fp16/bf16 value, unfused, L1 gathers: the kernels every cache-hint rule was measured on, through the order
+    table (TABLE_WINDOW_L2_FRACTION and its line_prefetch) or not (_hints_measured)."""
+    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
+
+
 def _hints_measured(cfg, permuted: bool) -> bool:
     """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
-    on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
-    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
-
-
-def _table_hints_measured(cfg) -> bool:
-    """The launches through the order table that TABLE_WINDOW_L2_FRACTION and its line_prefetch were measured on:
-    fp16/bf16 value, unfused, L1 gathers."""
-    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
+    on: _packed_ldg's kernels without the order table."""
+    return _packed_ldg(cfg) and not permuted
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -545,7 +545,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     permuted = changes.get("permuted", cfg.permuted)
     shared_producer = cfg.prefetch_inputs and not permuted
-    if permuted and _table_hints_measured(cfg):
+    if permuted and _packed_ldg(cfg):
         if given_window is None:
             window = TABLE_WINDOW_L2_FRACTION
         if "line_prefetch" not in fixed:
