@@ -307,8 +307,8 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             early_inputs=True, vector_bytes=8, prefetch_levels=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
-    # a large batch: rounds (over 0.9 of L2) and the order table (two samples' loads at once, whole-line L2
-    # fetches), CTA pairs
+    # a large batch: the order table (two samples' loads at once, whole-line L2 fetches), CTA pairs, rounds of
+    # about a segment a range
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2, line_prefetch=True)),
 ])
 def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
@@ -317,9 +317,41 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     assert changes == expected, preset
     assert grid % dataclasses.replace(cfg, **changes).cluster_size == 0 and grid <= H100["sms"]
     if preset == "seed-b48":
-        # 0.9 of L2: 35 (image, head) slices of 1.25 MB a round, 11 rounds (all of L2: 10)
-        assert schedule.rounds == 11
+        # 384 segments on 66 pairs: 6 rounds, 396 ranges; a caller's window still sets the rounds (all of L2: 10)
+        assert (schedule.rounds, schedule.whole) == (6, False)
         assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
+
+
+@pytest.mark.parametrize("segments,clusters,rounds", [
+    (384, 66, 6),  # seed-b48: 396 ranges, one a segment (k = 1)
+    (256, 66, 4), (192, 66, 3), (512, 66, 8), (1024, 66, 16),  # N = 32, 24 (P = 4), 64, 128
+    (160, 66, 5),  # N = 20: 3 rounds would give 1.24 ranges a segment, 5 give 2.06 (k = 2)
+    (264, 66, 4),  # k divides evenly: every range one segment
+    (8, 132, 1),  # one image of many queries: 16.5 ranges a segment in one round
+])
+def test_table_rounds_give_ranges_of_about_a_kth_of_a_segment(segments, clusters, rounds):
+    blocks = 482
+    assert tile_scheduler.aligned_rounds(segments, clusters, blocks, 16, 0.1) == rounds
+    schedule = tile_scheduler.plan(segments * blocks, blocks, clusters, 1 << 20, 50 << 20, 16, 4, align=0.1)
+    assert schedule == tile_scheduler.Schedule(rounds, False)
+
+
+def test_aligned_rounds_are_the_fewest_within_the_tolerance():
+    for segments in range(1, 400, 7):
+        for clusters in (33, 66, 132):
+            rounds = tile_scheduler.aligned_rounds(segments, clusters, 482, 16, 0.1)
+            if rounds is None:  # one round's ranges are already shorter than 16 tiles
+                assert 482 * segments < clusters * 16
+                continue
+            ranges = clusters * rounds
+            k = max(1, ranges // segments)
+            assert k * segments <= ranges <= 1.1 * k * segments
+            # no fewer rounds give any k' ranges a segment within the tolerance
+            for fewer in range(1, rounds):
+                assert not any(j * segments <= clusters * fewer <= 1.1 * j * segments
+                               for j in range(1, k + 1)), (segments, clusters, fewer)
+    # ranges shorter than the shortest allowed: the window's rounds instead
+    assert tile_scheduler.aligned_rounds(7, 132, 4, 16, 0.1) is None
 
 
 @pytest.mark.parametrize("N,rounds", [(2, 1), (3, 2), (4, 2), (8, 4)])

@@ -51,13 +51,19 @@ WINDOW_L2_FRACTION = 1.0
 # rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
 # L2, 497 with single CTAs and all of L2; N=2 keeps one round).
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
-# The window of launches through the order table (fp16/bf16 value, unfused), which also ask L2 for whole lines
-# (line_prefetch). With v44's patch cells, H100, two orders (session 26), µs: seed-b48 3597.6 / 3599.2 ->
-# 3470.4 / 3470.4, -shuffled 3614.6 / 3613.3 -> 3486.0 / 3486.4, N=32 seed shapes shuffled 2399.0 / 2397.5 ->
-# 2340.8 / 2341.0, N=64 around reference points 4838.2 / 4833.2 -> 4627.2 / 4627.3, N=24 detr encoders shuffled
-# 1442.7 / 1440.4 -> 1419.6 / 1421.8. Each alone gave part of it; 0.8 of L2 lost 5% on the N=24 encoders. The H200
-# does not gain (seed-b48 3506.4 / 3502.3 -> 3520.1 / 3523.2): the plan knows SMs and L2, which the two share.
-TABLE_WINDOW_L2_FRACTION = 0.9
+# Launches through the order table (fp16/bf16 value, unfused), which also ask L2 for whole lines (line_prefetch),
+# take rounds by the segments, not by L2: the fewest rounds giving k ranges a segment or up to this much more
+# (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
+# need not fit L2; what pays is the clusters on one image's heads (which share 128-byte lines and DRAM pages)
+# reaching the same place in them together. Session 27, two orders, µs, against 0.9 of L2 (v45):
+#   H100: seed-b48 3470 / 3475 -> 3403 / 3407, -shuffled 3489 / 3492 -> 3421 / 3426, N=32 seed shapes
+#   shuffled 2339 / 2341 -> 2296 / 2298, N=24 detr encoders shuffled 1421 / 1421 -> 1379 / 1380, N=64
+#   around reference points 4632 / 4628 -> 4542 / 4547; N=20 (k = 2, as 0.9 gave) 1483-1487.
+#   H200: seed-b48 3537 / 3538 -> 3444 / 3448, -shuffled 3556 / 3557 -> 3461 / 3463, N=32 2382 / 2383 ->
+#   2278 / 2278, N=24 1398 / 1397 -> 1360 / 1360, N=64 4742 / 4741 -> 4559 / 4561.
+# The H100 loses 3-8% between (1.2-1.7 ranges a segment, or ranges longer than segments); the H200 gains
+# 1-2% more at 1.2-1.4 ranges a segment on some shapes, and loses 1% on none.
+TABLE_RANGE_TOLERANCE = 0.1
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the order table (order.py, two launches) and
@@ -273,7 +279,7 @@ def launch_variants(cfg) -> list:
 
 def _packed_ldg(cfg) -> bool:
     """fp16/bf16 value, unfused, L1 gathers: the kernels every cache-hint rule was measured on, through the order
-    table (TABLE_WINDOW_L2_FRACTION and its line_prefetch) or not (_hints_measured)."""
+    table (TABLE_RANGE_TOLERANCE and its line_prefetch) or not (_hints_measured)."""
     return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
 
 
@@ -443,14 +449,15 @@ def _on_device(value, shapes, starts, loc, attn, ref, tuning):
         return _launch(value, shapes, starts, loc, attn, ref, tuning)
 
 
-def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float):
+def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float,
+                 align: float = 0.0):
     """The tile schedule of one launch of the tiled kernel (tile_scheduler.plan)."""
     blocks = -(-Lq // cfg.queries_per_tile)
     clusters = grid // cfg.cluster_size
     slice_bytes = S * cfg.head_dim * cfg.itemsize
     return tile_scheduler.plan(
         N * cfg.num_heads * blocks, blocks, clusters, slice_bytes, int(l2_bytes * window_fraction),
-        MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2)
+        MIN_TILES_PER_GROUP * cfg.num_groups * cfg.cluster_size, cfg.num_groups * cfg.cluster_size // 2, align)
 
 
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None, shapes: torch.Tensor) -> torch.Tensor:
@@ -498,13 +505,13 @@ def _placeholder(device, shape) -> torch.Tensor:
     return t
 
 
-def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float):
+def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, align: float = 0.0):
     """The grid of a launch of the tiled kernel (whole clusters, at most the CTAs the GPU holds at once)
     and its schedule."""
     blocks = -(-Lq // cfg.queries_per_tile)
     grid = min(N * cfg.num_heads * blocks, sms * cfg.ctas_per_sm)
     grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
-    return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window)
+    return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window, align)
 
 
 def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, grid: int,
@@ -545,12 +552,13 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     permuted = changes.get("permuted", cfg.permuted)
     shared_producer = cfg.prefetch_inputs and not permuted
+    align = 0.0
     if permuted and _packed_ldg(cfg):
         if given_window is None:
-            window = TABLE_WINDOW_L2_FRACTION
+            align = TABLE_RANGE_TOLERANCE
         if "line_prefetch" not in fixed:
             changes["line_prefetch"] = True
-    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window)
+    grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window, align)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and (not schedule.whole or not cfg.packed_math)))
     if single_cta and cfg.cluster_size > 1 and "cluster_size" not in fixed:
@@ -570,7 +578,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
                 changes.update(more)
         if given_window is None and cfg.packed_math and not cfg.fused:
             window = SINGLE_CTA_WINDOW_L2_FRACTION
-        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window)
+        grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window,
+                                           align)
     if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
             and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window, grid, schedule)):
         # More segments than pairs, but no more than CTAs (decoder-b16: 128 segments, 66 pairs, 132 CTAs):

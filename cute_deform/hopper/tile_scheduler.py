@@ -7,7 +7,9 @@ sequence is cut into `clusters * rounds` ranges of equal length, and in round r 
 consecutive tiles, a bounded number of (image, head) slices of value. The host picks `rounds` so that
 those slices fit in L2 (`plan`). With one round each cluster would sweep its own slices, far apart
 in the batch, and when the queries of a tile are not spatial neighbours (queries in random order,
-decoders) their footprints spread over the whole slice and L2 thrashes.
+decoders) their footprints spread over the whole slice and L2 thrashes. Through the order table, where
+they are neighbours, the rounds instead give each range about a segment (`aligned_rounds`), so that the
+clusters on one image's heads reach the same place in them at about the same time.
 
 With `whole` (few queries per image and head), range boundaries fall between segments: each cluster
 then stages each of its segments once and meets no barrier in the middle of one. Otherwise a range that
@@ -33,11 +35,27 @@ class Schedule:
     whole: bool
 
 
+def aligned_rounds(segments: int, clusters: int, blocks: int, min_range: int, tolerance: float) -> int | None:
+    """The fewest rounds that give k ranges a segment, or up to `tolerance` more, for the smallest k that has
+    such rounds: each range is then a k-th of a segment or a little less, so that the clusters working on
+    one image's heads stay at about the same place in them. None where the ranges would be shorter than
+    min_range tiles."""
+    k = 1
+    while True:
+        rounds = -(-k * segments // clusters)
+        if blocks * segments < clusters * rounds * min_range:
+            return None
+        if clusters * rounds <= (1 + tolerance) * k * segments:
+            return rounds
+        k += 1
+
+
 def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_bytes: int, min_range: int,
-         slack: int) -> Schedule:
+         slack: int, align: float = 0.0) -> Schedule:
     """Rounds such that the slices one round works on (its stretch of tiles, plus one slice for a range
     that straddles two) take at most window_bytes, but no range shorter than min_range tiles; then
-    whole segments where they lengthen the longest range by at most `slack` tiles.
+    whole segments where they lengthen the longest range by at most `slack` tiles. With align > 0 the
+    rounds are aligned_rounds' (tolerance align) instead, and the window is not used.
 
     num_tiles: N * M * blocks; blocks: query blocks (tiles) per (image, head); slice_bytes: one
     (image, head) slice of value; window_bytes <= 0: one round."""
@@ -46,6 +64,13 @@ def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_by
     def whole_fits(ranges):
         return -(-segments // ranges) * blocks * ranges <= num_tiles + slack * ranges
 
+    if align > 0:
+        rounds = aligned_rounds(segments, clusters, blocks, min_range, align)
+        if rounds is not None:
+            # Not `whole`, even where the segments divide evenly (the even split then starts every range at
+            # a segment's start): one round of whole segments would put each cluster on its own images, and
+            # `whole` brings in the rules of the decoders' launches.
+            return Schedule(rounds, False)
     # Few segments (decoders): whole segments in one round win (measured 69.7 against 83.5 us with two
     # rounds on detr-decoder, H100): each cluster stages once and reads each slice alone.
     if whole_fits(clusters):
