@@ -55,14 +55,15 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 # take rounds by the segments, not by L2: the fewest rounds giving k ranges a segment or up to this much more
 # (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
 # need not fit L2; what pays is the clusters on one image's heads (which share 128-byte lines and DRAM pages)
-# reaching the same place in them together. Session 27, two orders, µs, against 0.9 of L2 (v45):
-#   H100: seed-b48 3470 / 3475 -> 3403 / 3407, -shuffled 3489 / 3492 -> 3421 / 3426, N=32 seed shapes
-#   shuffled 2339 / 2341 -> 2296 / 2298, N=24 detr encoders shuffled 1421 / 1421 -> 1379 / 1380, N=64
-#   around reference points 4632 / 4628 -> 4542 / 4547; N=20 (k = 2, as 0.9 gave) 1483-1487.
-#   H200: seed-b48 3537 / 3538 -> 3444 / 3448, -shuffled 3556 / 3557 -> 3461 / 3463, N=32 2382 / 2383 ->
-#   2278 / 2278, N=24 1398 / 1397 -> 1360 / 1360, N=64 4742 / 4741 -> 4559 / 4561.
-# The H100 loses 3-8% between (1.2-1.7 ranges a segment, or ranges longer than segments); the H200 gains
-# 1-2% more at 1.2-1.4 ranges a segment on some shapes, and loses 1% on none.
+# reaching the same place in them together. Swept by rounds on both GPUs (session 27, docs/performance.md), 1.03
+# ranges a segment was the fastest of the 5-9 round counts measured on each of the four shapes that have it;
+# about 2 lost 2-3% (H100), 1.2-1.8 lost 2-8%, fewer than one 1-9%. Against v45's 0.9 of L2, one run, two orders, µs:
+#   H100: seed-b48 3468.3 / 3465.6 -> 3401.2 / 3402.6, -shuffled 3479.2 / 3481.6 -> 3416.9 / 3412.9, N=32 seed shapes
+#   shuffled 2336.5 / 2339.1 -> 2293.6 / 2292.5, N=24 detr encoders shuffled 1416.3 / 1419.1 -> 1378.2 / 1376.6,
+#   N=64 around reference points 4627.8 / 4621.8 -> 4533.9 / 4542.2, N=20 (k = 2: 5 rounds either way) tied.
+#   H200: seed-b48 3539.6 / 3537.1 -> 3382.8 / 3385.0, -shuffled 3552.7 / 3554.1 -> 3395.8 / 3389.1, N=32
+#   2380.4 / 2376.2 -> 2277.9 / 2275.6, N=24 1398.6 / 1399.1 -> 1360.3 / 1362.3, N=64 4739.1 / 4742.6 -> 4508.5 /
+#   4505.0, N=20 1501.0 / 1500.6 -> 1471.3 / 1469.1.
 TABLE_RANGE_TOLERANCE = 0.1
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
