@@ -322,6 +322,21 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
 
 
+def test_table_rounds_follow_the_segments_where_two_heads_share_a_line():
+    """Through the order table, fp16/bf16 value in 64-byte head rows (fused or not) takes rounds of about a
+    segment a range and whole-line fetches; fp32 value (a head a line) keeps the window's rounds."""
+    for fused in (False, True):
+        half = tiled("float16", "float16" if fused else "float32", "float16" if fused else "float32", 8, 4, 8, 32,
+                     **(dict(fused=True, ref_dtype="float16", ref_dims=2) if fused else {}))
+        changes, _, schedule = launch_of(half, 48, 15422, 19560)
+        assert changes["permuted"] and changes["line_prefetch"] and schedule == tile_scheduler.Schedule(6, False)
+        single = tiled("float32", "float32", "float32", 8, 4, 8, 32,
+                       **(dict(fused=True, ref_dtype="float32", ref_dims=2) if fused else {}))
+        changes, _, schedule = launch_of(single, 48, 15422, 19560)
+        assert changes["permuted"] and "line_prefetch" not in changes
+        assert schedule.rounds == launch_of(single, 48, 15422, 19560, window=1.0)[2].rounds == 21
+
+
 @pytest.mark.parametrize("segments,clusters,rounds", [
     (384, 66, 6),  # seed-b48: 396 ranges, one a segment (k = 1)
     (256, 66, 4), (192, 66, 3), (512, 66, 8), (1024, 66, 16),  # N = 32, 24 (P = 4), 64, 128

@@ -51,7 +51,8 @@ WINDOW_L2_FRACTION = 1.0
 # rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
 # L2, 497 with single CTAs and all of L2; N=2 keeps one round).
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
-# Launches through the order table (fp16/bf16 value, unfused), which also ask L2 for whole lines (line_prefetch),
+# Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured),
+# which also ask L2 for whole lines (line_prefetch),
 # take rounds by the segments, not by L2: the fewest rounds giving k ranges a segment or up to this much more
 # (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
 # need not fit L2; what pays is the clusters on one image's heads (which share 128-byte lines and DRAM pages)
@@ -64,6 +65,8 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 #   H200: seed-b48 3539.6 / 3537.1 -> 3382.8 / 3385.0, -shuffled 3552.7 / 3554.1 -> 3395.8 / 3389.1, N=32
 #   2380.4 / 2376.2 -> 2277.9 / 2275.6, N=24 1398.6 / 1399.1 -> 1360.3 / 1362.3, N=64 4739.1 / 4742.6 -> 4508.5 /
 #   4505.0, N=20 1501.0 / 1500.6 -> 1471.3 / 1469.1.
+#   The fused op, fp16, N=48 seed shapes around random reference points (H100): 10 rounds (all of L2) 3745 / 3748,
+#   6 aligned rounds 3665 / 3663, with whole lines 3639 / 3639.
 TABLE_RANGE_TOLERANCE = 0.1
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
@@ -273,21 +276,24 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
-        table = dict(line_prefetch=True) if _packed_ldg(cfg) else {}  # choose_launch's rule for the table
+        table = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}  # choose_launch's rule for the table
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
 
 
-def _packed_ldg(cfg) -> bool:
-    """fp16/bf16 value, unfused, L1 gathers: the kernels every cache-hint rule was measured on, through the order
-    table (TABLE_RANGE_TOLERANCE and its line_prefetch) or not (_hints_measured)."""
-    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg"
+def _table_rounds_measured(cfg) -> bool:
+    """The kernels whose launches through the order table take rounds by the segments (TABLE_RANGE_TOLERANCE)
+    and whole-line L2 fetches: fp16/bf16 value in 64-byte head rows (two heads a 128-byte line), L1 gathers,
+    fused or not. With 128-byte rows (fp32 value) a line holds one head, and the window's rounds won there
+    (session 27, H100, N=48 seed shapes around random reference points, µs: fused 6909 / 6910 against 7099 /
+    7124 aligned, unfused 6565 / 6569 against 6655 / 6653)."""
+    return cfg.packed_math and cfg.fine_gather == "ldg" and cfg.head_dim * cfg.itemsize == 64
 
 
 def _hints_measured(cfg, permuted: bool) -> bool:
     """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
-    on: _packed_ldg's kernels without the order table."""
-    return _packed_ldg(cfg) and not permuted
+    on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
+    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -554,7 +560,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     permuted = changes.get("permuted", cfg.permuted)
     shared_producer = cfg.prefetch_inputs and not permuted
     align = 0.0
-    if permuted and _packed_ldg(cfg):
+    if permuted and _table_rounds_measured(cfg):
         if given_window is None:
             align = TABLE_RANGE_TOLERANCE
         if "line_prefetch" not in fixed:
