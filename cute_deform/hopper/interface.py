@@ -51,10 +51,9 @@ WINDOW_L2_FRACTION = 1.0
 # rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
 # L2, 497 with single CTAs and all of L2; N=2 keeps one round).
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
-# Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured),
-# which also ask L2 for whole lines (line_prefetch),
-# take rounds by the segments, not by L2: the fewest rounds giving k ranges a segment or up to this much more
-# (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
+# Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured)
+# ask L2 for whole lines (line_prefetch) and take rounds by the segments, not by L2: the fewest rounds giving k
+# ranges a segment or up to this much more (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
 # need not fit L2; what pays is the clusters on one image's heads (which share 128-byte lines and DRAM pages)
 # reaching the same place in them together. Swept by rounds on both GPUs (session 27, docs/performance.md), 1.03
 # ranges a segment was the fastest of the 5-9 round counts measured on each of the four shapes that have it;
