@@ -278,8 +278,9 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     # them, through the order table too.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
-    assert interface.launch_variants(odd) == [odd, dataclasses.replace(odd, l1_first=True, producers=1, gather_batch=4),
-                                              dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
+    assert interface.launch_variants(odd) == [
+        odd, dataclasses.replace(odd, l1_first=True, producers=1, gather_batch=4),
+        dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)

@@ -53,9 +53,9 @@ WINDOW_L2_FRACTION = 1.0
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 # Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured)
 # ask L2 for whole lines (line_prefetch) and take rounds by the segments, not by L2: the fewest rounds giving k
-# ranges a segment or up to this much more (tile_scheduler.aligned_rounds), k = 1 where it can. With every query's neighbours in its tile the slices
-# need not fit L2; what pays is the clusters on one image's heads (which share 128-byte lines and DRAM pages)
-# reaching the same place in them together. Swept by rounds on both GPUs (session 27, docs/performance.md), 1.03
+# ranges a segment or up to this much more (tile_scheduler.aligned_rounds), k = 1 where it can. With every
+# query's neighbours in its tile the slices need not fit L2; what pays is the clusters on one image's heads
+# (which share 128-byte lines and DRAM pages) reaching the same place in them together. Swept by rounds on both GPUs (session 27, docs/performance.md), 1.03
 # ranges a segment was the fastest of the 5-9 round counts measured on each of the four shapes that have it;
 # about 2 lost 2-3% (H100), 1.2-1.8 lost 2-8%, fewer than one 1-9%. Against v45's 0.9 of L2, one run, two orders, µs:
 #   H100: seed-b48 3468.3 / 3465.6 -> 3401.2 / 3402.6, -shuffled 3479.2 / 3481.6 -> 3416.9 / 3412.9, N=32 seed shapes
