@@ -76,6 +76,12 @@ VARIANTS = [
                                     prefetch_levels=True)),
     ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
                                                vector_bytes=8)),
+    # Launches through the order table: each sample's weight folded into its corner weights, several samples'
+    # corner sums added in packed half arithmetic before one fp32 add (seed-b48's launch); and with the setup
+    # split, whose records then leave the weight out.
+    ("table-half-sums", tiled("float16", "float32", "float32", 8, 4, 8, 32, permuted=True, gather_batch=2,
+                              line_prefetch=True, half_sums=8)),
+    ("half-sums-bf16-split", tiled("bfloat16", "float32", "float32", 8, 4, 4, 32, permuted=True, half_sums=2)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -272,6 +278,13 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
+    # At 8 points a level the table's launch sums samples in packed half arithmetic (bf16: fewer a sum).
+    for value, sums in (("float16", 8), ("bfloat16", 4)):
+        eight = tiled(value, "float32", "float32", 8, 4, 8, 32)
+        assert interface.launch_variants(eight)[-1] == dataclasses.replace(
+            eight, permuted=True, gather_batch=2, line_prefetch=True, half_sums=sums)
+    fp32 = tiled("float32", "float32", "float32", 8, 4, 8, 32)
+    assert interface.launch_variants(fp32)[-1].half_sums == 0
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
@@ -310,7 +323,7 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
     # a large batch: the order table (two samples' loads at once, whole-line L2 fetches), CTA pairs, rounds of
     # about a segment a range
-    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2, line_prefetch=True)),
+    ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2, line_prefetch=True, half_sums=8)),
 ])
 def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
     cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
@@ -477,11 +490,12 @@ def test_launch_choices_follow_the_caller():
     cfg = tiled("float16", "float32", "float32", 8, 4, 8, 32)
     # An explicit cluster size stays; reorder_queries forces the table on or off.
     assert launch_of(cfg, 2, 22223, 22223, fixed={"cluster_size"})[0] == {}
-    # Through the order table each group keeps its producer warp (six groups in 1024 threads), and L2 gives
-    # whole lines; a caller's line_prefetch stays.
+    # Through the order table each group keeps its producer warp (six groups in 1024 threads), L2 gives
+    # whole lines, and 8 samples sum in packed half arithmetic; a caller's line_prefetch and half_sums stay.
     assert launch_of(cfg, 2, 22223, 22223, reorder=True)[0] == dict(permuted=True, cluster_size=1, num_groups=6,
-                                                                  gather_batch=2, line_prefetch=True)
+                                                                  gather_batch=2, line_prefetch=True, half_sums=8)
     assert "line_prefetch" not in launch_of(cfg, 2, 22223, 22223, reorder=True, fixed={"line_prefetch"})[0]
+    assert "half_sums" not in launch_of(cfg, 2, 22223, 22223, reorder=True, fixed={"half_sums"})[0]
     hints = dict(line_prefetch=True, coarse_evict_last=True)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"num_groups"})[0] == dict(cluster_size=1, **hints)
     assert launch_of(cfg, 2, 22223, 22223, fixed={"producers"})[0] == dict(cluster_size=1, **hints)
@@ -665,6 +679,35 @@ def test_segment_cost_covers_every_tile_once_and_shortens_the_ranges_that_cross_
         crossing = [e - b for b, e in spans if b // blocks != (e - 1) // blocks]
         others = [e - b for b, e in spans if b // blocks == (e - 1) // blocks]
         assert crossing and max(crossing) < max(others)
+
+
+def _conversions_and_shuffles(cfg, folder):
+    interface.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
+    ptx = next(folder.glob("*.sm_90a.ptx")).read_text()
+    half = {"float16": "f16", "bfloat16": "bf16"}[cfg.value_dtype]
+    conversions = len(re.findall(rf"^\s*cvt\.f32\.{half}\b", ptx, re.M))
+    segment = ((32 - cfg.threads_per_query) << 8) | 31
+    shuffles = len(re.findall(rf"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, \d+, {segment}, -1;", ptx))
+    return conversions, shuffles
+
+
+@pytest.mark.parametrize("value,P,split,sums", [("float16", 8, False, 8), ("bfloat16", 4, True, 2)])
+def test_half_sums_convert_once_a_sum_and_pass_no_weight(tmp_path, value, P, split, sums):
+    """KernelConfig.half_sums: the packed half corner sums of up to `sums` samples add up before one conversion
+    to fp32 (a conversion a channel), not one a sample; with the setup split, the records a query's threads
+    pass each other lose the attention weight (it is in the corner weights): four shuffles a sample, not five."""
+    base = tiled(value, "float32", "float32", 8, 4, P, 32, permuted=True, split_setup=split)
+    folded = dataclasses.replace(base, half_sums=sums)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "folded").mkdir()
+    conversions, shuffles = _conversions_and_shuffles(base, tmp_path / "base")
+    fewer, passed = _conversions_and_shuffles(folded, tmp_path / "folded")
+    assert conversions > 0 and fewer * sums == conversions, (conversions, fewer)
+    assert (shuffles > 0) == split and passed * 5 == shuffles * 4, (shuffles, passed)
+    with pytest.raises(ValueError, match="half_sums"):
+        tiled("float32", "float32", "float32", 8, 4, 4, 32, half_sums=2)
+    with pytest.raises(ValueError, match="half_sums"):
+        dataclasses.replace(base, half_sums=17)
 
 
 def test_the_encoders_segment_cost_stays_within_an_int32():

@@ -113,10 +113,18 @@ class KernelConfig(ProblemConfig):
     # levels first, while the staging lands; the tiles after it alternate as before. A launch rule for single
     # CTAs over whole segments (interface.choose_launch, which has the measurements).
     l1_first_tile: bool = False
+    # fp16/bf16 value: each sample's attention weight folded into its corner weights, and the packed half corner
+    # sums of up to this many samples of a level added in packed half arithmetic before one fp32 add (0: each
+    # sample's sum converted and added alone). Fewer instructions a sample, for a larger rounding error. A launch
+    # rule (interface.choose_launch, which has the measurements).
+    half_sums: int = 0
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
             raise ValueError(f"cute_deform: gather_batch must be in [1, {MAX_POINTS}], got {self.gather_batch!r}")
+        if not 0 <= self.half_sums <= MAX_POINTS or (self.half_sums and not self.packed_math):
+            raise ValueError(f"cute_deform: half_sums must be in [0, {MAX_POINTS}], and 0 for fp32 value; got "
+                             f"{self.half_sums!r}")
         if not 0 <= self.segment_cost <= 1024:
             raise ValueError(f"cute_deform: segment_cost must be in [0, 1024], got {self.segment_cost!r}")
         if self.vector_bytes not in (8, 16) or self.head_dim * self.itemsize % self.vector_bytes:

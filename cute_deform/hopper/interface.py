@@ -67,6 +67,18 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 #   The fused op, fp16, N=48 seed shapes around random reference points (H100): 10 rounds (all of L2) 3745 / 3748,
 #   6 aligned rounds 3665 / 3663, with whole lines 3639 / 3639.
 TABLE_RANGE_TOLERANCE = 0.1
+# Launches through the order table at 8 or more points a level (unfused fp16/bf16 value: _half_sums_measured) fold
+# each sample's attention weight into its corner weights and add up to this many samples' packed half corner sums
+# before each fp32 add (KernelConfig.half_sums). H100, session 28, tune.py, two runs in opposite orders, µs:
+#   fp16 (rel err 4e-4 -> 6e-4): seed-b48 3400.5 / 3403.6 -> 3295.8 / 3287.6, -shuffled 3412.6 / 3416.3 -> 3302.2 /
+#   3300.2, N=32 seed shapes shuffled 2287.6 / 2286.8 -> 2215.3 / 2211.6, N=64 around reference points 4531.7 /
+#   4532.6 -> 4385.0 / 4386.1; sums of 4 gained about a fifth less.
+#   bf16 (3e-3 -> 4e-3 at 4, 5e-3 at 8, against a bound of 8e-3): seed-b48 3411.1 / 3407.8 -> 3325.5 / 3324.4 at 4,
+#   3292.5 / 3293.1 at 8; 4 keeps twice the margin to the bound.
+# Lost: 4 points a level through the table (N=24 detr encoders shuffled, 1375.1 / 1374.7 -> 1386.6 / 1386.8), the
+# single-CTA launches (detr-encoder 126.9 -> 129.8-135.0, dcnv4-test 84.1 -> 90.6-102.0); the decoders tied or
+# lost up to 2%.
+TABLE_HALF_SUMS = {"float16": 8, "bfloat16": 4}
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the order table (order.py, two launches) and
@@ -275,7 +287,9 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
-        table = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}  # choose_launch's rule for the table
+        table = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}  # choose_launch's rules for the table
+        if _half_sums_measured(cfg) and cfg.half_sums == 0:
+            table["half_sums"] = TABLE_HALF_SUMS[cfg.value_dtype]
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
 
@@ -287,6 +301,12 @@ def _table_rounds_measured(cfg) -> bool:
     (session 27, H100, N=48 seed shapes around random reference points, µs: fused 6909 / 6910 against 7099 /
     7124 aligned, unfused 6565 / 6569 against 6655 / 6653)."""
     return cfg.packed_math and cfg.fine_gather == "ldg" and cfg.head_dim * cfg.itemsize == 64
+
+
+def _half_sums_measured(cfg) -> bool:
+    """The kernels whose launches through the order table sum several samples in packed half arithmetic
+    (KernelConfig.half_sums, TABLE_HALF_SUMS): fp16/bf16 value, unfused, L1 gathers, 8 or more points a level."""
+    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and cfg.num_points >= 8
 
 
 def _hints_measured(cfg, permuted: bool) -> bool:
@@ -564,6 +584,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             align = TABLE_RANGE_TOLERANCE
         if "line_prefetch" not in fixed:
             changes["line_prefetch"] = True
+    if permuted and "half_sums" not in fixed and _half_sums_measured(cfg):
+        changes["half_sums"] = TABLE_HALF_SUMS[cfg.value_dtype]
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window, align)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and (not schedule.whole or not cfg.packed_math)))

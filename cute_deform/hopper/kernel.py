@@ -89,7 +89,7 @@ class MSDAForward:
         self.value_dtype = DTYPES[config.value_dtype]
         self.loc_dtype = DTYPES[config.loc_dtype]
         self.attn_dtype = DTYPES[config.attn_dtype]
-        self.bilinear = Bilinear(self.value_dtype, self.C, config.packed_math)
+        self.bilinear = Bilinear(self.value_dtype, self.C, config.packed_math, config.half_sums > 0)
         self.consumer_threads = CONSUMER_WARPS * 32
         self.early_inputs = config.early_inputs and self.prefetch and not self.boxes
         self.threads = config.threads
@@ -700,12 +700,23 @@ class MSDAForward:
         """Every point of one level into acc, the loads of `batch` samples issued before any of them is
         summed."""
         pending = []
+        total, summed = None, 0  # KernelConfig.half_sums: the packed half sum of the level's last samples
         for fetched, last in self.fetched_samples(inputs, level, H, W, top_left, corner):
             pending.append(fetched)
             if cutlass.const_expr(len(pending) == batch or last):
                 for sample in pending:
-                    self.bilinear.accumulate(acc, *sample)
+                    if cutlass.const_expr(self.bilinear.fold):
+                        _, weights, corners = sample
+                        total = self.bilinear.sum_half(total, weights, corners)
+                        summed += 1
+                        if cutlass.const_expr(summed == self.cfg.half_sums):
+                            self.bilinear.flush(acc, total)
+                            total, summed = None, 0
+                    else:
+                        self.bilinear.accumulate(acc, *sample)
                 pending = []
+        if cutlass.const_expr(total is not None):
+            self.bilinear.flush(acc, total)
 
     def fetched_samples(self, inputs, level: int, H, W, top_left, corner):
         """Each sample of one level with its loads issued, in order, and whether a batch ends after it (the

@@ -26,12 +26,15 @@ def share(record, src, lanes: int):
 
 
 class Bilinear:
-    def __init__(self, value_dtype, channels: int, packed: bool):
+    def __init__(self, value_dtype, channels: int, packed: bool, fold: bool = False):
         self.value_dtype = value_dtype
         self.C = channels
         # fp16/bf16: the four-corner sum in packed half arithmetic (HFMA2), then one fp32 FMA per
         # channel into the accumulator: half the instructions of converting all four corners first.
         self.packed = packed
+        # Packed only (KernelConfig.half_sums): the attention weight goes into the corner weights, and the
+        # corner sums of several samples add up in packed half arithmetic before one fp32 add (sum_half, flush).
+        self.fold = fold and packed
 
     @cute.jit
     def footprint(self, w, h, H, W):
@@ -47,10 +50,13 @@ class Bilinear:
         lh = cutlass.select_(inside, h - fh, cutlass.Float32(0.0))
         return inside, x0, y0, lw, lh
 
-    def weights(self, lw, lh):
-        """Bilinear weights of the corners (0,0), (0,1), (1,0), (1,1) as (dy, dx)."""
+    def weights(self, lw, lh, a=None):
+        """Bilinear weights of the corners (0,0), (0,1), (1,0), (1,1) as (dy, dx), times a where given."""
         hw = 1.0 - lw
         hh = 1.0 - lh
+        if a is not None:
+            hh = a * hh
+            lh = a * lh
         return hh * hw, hh * lw, lh * hw, lh * lw
 
     def inside_corners(self, x0, y0, H, W):
@@ -84,10 +90,29 @@ class Bilinear:
             acc.store(acc.load() + a * total)
 
     @cute.jit
+    def sum_half(self, total, weights, corners):
+        """fold: one sample's corner sum (its weights include a) in packed half arithmetic, added to total
+        (None: the first of a sum). Each sample's sum is formed apart, so the chain from one sample's loads
+        to the running sum is one add."""
+        dt = self.value_dtype
+        weights = [w if isinstance(w, dt) else dt(w) for w in weights]
+        own = corners[0] * weights[0]
+        for c in cutlass.range_constexpr(1, 4):
+            own = own + corners[c] * weights[c]
+        if cutlass.const_expr(total is None):
+            return own
+        return total + own
+
+    @cute.jit
+    def flush(self, acc, total):
+        """fold: a packed half sum into the fp32 accumulator."""
+        acc.store(acc.load() + total.to(cutlass.Float32))
+
+    @cute.jit
     def setup(self, w, h, a, H, W):
         """One sample's record for sample_record: (first corner's pixel index in the level, a bit per
-        corner in the level, a (0 for a skipped sample), then the corner weights: four fp32, or, packed,
-        two pairs in value's dtype)."""
+        corner in the level, a (0 for a skipped sample; fold: left out, it is in the weights), then the corner
+        weights: four fp32, or, packed, two pairs in value's dtype)."""
         inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
         rows, cols = self.inside_corners(x0, y0, H, W)
         mask = cutlass.Int32(0)
@@ -97,7 +122,7 @@ class Bilinear:
                                               cutlass.Int32(0))
         # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
         a = cutlass.select_(inside, a, cutlass.Float32(0.0))
-        weights = self.weights(lw, lh)
+        weights = self.weights(lw, lh, a) if cutlass.const_expr(self.fold) else self.weights(lw, lh)
         if cutlass.const_expr(self.packed):
             pairs = []
             for k in cutlass.range_constexpr(2):
@@ -106,12 +131,15 @@ class Bilinear:
                 pair[1] = weights[2 * k + 1]
                 pairs.append(pair.load().to(self.value_dtype))
             weights = tuple(pairs)
+        if cutlass.const_expr(self.fold):  # a is in the weights
+            return (y0 * W + x0, mask) + tuple(weights)
         return (y0 * W + x0, mask, a) + tuple(weights)
 
     def record_weights(self, record):
         """The four corner weights of a record (scalars in value's dtype when packed)."""
         if self.packed:
-            return record[3][0], record[3][1], record[4][0], record[4][1]
+            k = 2 if self.fold else 3
+            return record[k][0], record[k][1], record[k + 1][0], record[k + 1][1]
         return record[3:7]
 
     def load_corners(self, first, corner, in_level):
@@ -122,21 +150,25 @@ class Bilinear:
     @cute.jit
     def fetch_record(self, record, top_left, corner):
         """The loads of a record's sample (setup's, possibly another thread's), issued: (a, weights,
-        corners) for accumulate."""
+        corners) for accumulate (fold: a is None, and in the weights)."""
         mask = record[1]
         corners = self.load_corners(top_left(record[0]), corner, lambda dy, dx: (mask & (1 << (2 * dy + dx))) != 0)
+        if cutlass.const_expr(self.fold):
+            return None, self.record_weights(record), corners
         return record[2], self.record_weights(record), corners
 
     @cute.jit
     def fetch(self, w, h, a, H, W, top_left, corner):
-        """The loads of one sample, issued: (a, weights, corners) for accumulate. top_left(pixel index)
-        gives the first corner's location, corner(first, dy, dx, in_level) loads one corner (zeros where
-        not in_level)."""
+        """The loads of one sample, issued: (a, weights, corners) for accumulate (fold: a is None, and in the
+        weights). top_left(pixel index) gives the first corner's location, corner(first, dy, dx, in_level)
+        loads one corner (zeros where not in_level)."""
         inside, x0, y0, lw, lh = self.footprint(w, h, H, W)
         rows, cols = self.inside_corners(x0, y0, H, W)
         corners = self.load_corners(top_left(y0 * W + x0), corner, lambda dy, dx: rows[dy] & cols[dx])
         # A skipped sample adds 0 even with an inf or NaN weight, as in the original kernel.
         a = cutlass.select_(inside, a, cutlass.Float32(0.0))
+        if cutlass.const_expr(self.fold):
+            return None, self.weights(lw, lh, a), corners
         return a, self.weights(lw, lh), corners
 
 
