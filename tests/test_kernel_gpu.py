@@ -11,8 +11,8 @@ import torch
 
 from cute_deform import ms_deform_attn_reference
 from cute_deform.hopper import interface
-from msda_testing import (fused_inputs, fused_reference, make_inputs, poison_allocator, raster_cells, rel_err,
-                          sprinkle_special_locations)
+from msda_testing import (finite_rel_err, fused_inputs, fused_reference, make_inputs, nonfinite_mismatch,
+                          poison_allocator, raster_cells, rel_err, sprinkle_special_locations)
 
 pytestmark = pytest.mark.gpu
 
@@ -176,6 +176,37 @@ def test_fused_kernel_matches_float64_reference(gen, case):
                                            **VARIANTS[case["variant"]])
         assert torch.isfinite(out).all(), "output elements left unwritten"
         assert rel_err(out, expected) <= BOUND[vdt]
+
+
+@pytest.mark.parametrize("vname", ["fp16", "bf16"])
+def test_half_sums_keep_the_rules_for_nan_and_inf(gen, vname):
+    """The order table's launch at 8 points a level folds each attention weight into the corner weights and sums
+    samples in half precision (KernelConfig.half_sums): with NaN and inf weights and special locations it gives
+    NaN / inf exactly where the same launch adding each sample in fp32 does (a skipped sample adds nothing, even
+    with a NaN weight), and the rest stays within the bound of the float64 reference. (Against the reference
+    itself the pattern can differ where a location sits next to a level's border: the reference tests inside in
+    float64, the kernels in fp32, and a NaN weight then makes the difference visible.)"""
+    levels = LEVELS[:4]
+    vdt = DTYPES[vname]
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=BATCH, queries=QUERIES, heads=8, head_dim=32,
+                                                   points=8, dtype=torch.float64)
+    loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
+    pick = torch.rand(attn.shape, generator=gen)
+    attn = torch.where(pick < 0.01, torch.nan, torch.where(pick > 0.995, torch.inf, attn))
+    value, loc, attn = value.to(vdt).cuda(), loc.float().cuda(), attn.float().cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    tuning = dict(reorder_queries=True)
+    cfg = launched_config(value[:1, :1], loc[:1, :1], attn[:1, :1], None, tuning, BATCH, QUERIES, pixels(levels))
+    assert cfg.permuted and cfg.half_sums == interface.TABLE_HALF_SUMS[cfg.value_dtype] > 0
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    poison_allocator(value.numel() * 16)
+    per_sample = interface.msda_forward(value, shapes, starts, loc, attn, half_sums=0, **tuning)
+    poison_allocator(value.numel() * 16)
+    out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
+    assert torch.isnan(per_sample).any() and torch.isinf(per_sample).any() and torch.isfinite(per_sample).any()
+    assert nonfinite_mismatch(out, per_sample, same_kinds=False) is None
+    finite = torch.isfinite(per_sample)
+    assert finite_rel_err(out[finite], ref[finite]) <= BOUND[vdt]
 
 
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])

@@ -115,8 +115,9 @@ class KernelConfig(ProblemConfig):
     l1_first_tile: bool = False
     # fp16/bf16 value: each sample's attention weight folded into its corner weights, and the packed half corner
     # sums of up to this many samples of a level added in packed half arithmetic before one fp32 add (0: each
-    # sample's sum converted and added alone). Fewer instructions a sample, for a larger rounding error. A launch
-    # rule (interface.choose_launch, which has the measurements).
+    # sample's sum converted and added alone). Fewer instructions a sample, for a larger rounding error; with fp16
+    # value a weight times a corner weight must stay in fp16's range (any softmax or sigmoid weight does), as in
+    # the original kernel's half arithmetic. A launch rule (interface.choose_launch, which has the measurements).
     half_sums: int = 0
 
     def __post_init__(self):
