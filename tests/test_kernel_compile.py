@@ -82,6 +82,8 @@ VARIANTS = [
     ("table-half-sums", tiled("float16", "float32", "float32", 8, 4, 8, 32, permuted=True, gather_batch=2,
                               line_prefetch=True, half_sums=8)),
     ("half-sums-bf16-split", tiled("bfloat16", "float32", "float32", 8, 4, 4, 32, permuted=True, half_sums=2)),
+    ("half-sums-fused", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 8, 32, fused=True, permuted=True,
+                              half_sums=4)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -285,6 +287,9 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
             eight, permuted=True, gather_batch=2, line_prefetch=True, half_sums=sums)
     fp32 = tiled("float32", "float32", "float32", 8, 4, 8, 32)
     assert interface.launch_variants(fp32)[-1].half_sums == 0
+    fused = tiled("float16", "float16", "float16", 8, 4, 8, 32, fused=True)
+    assert interface.launch_variants(fused)[-1] == dataclasses.replace(fused, permuted=True, line_prefetch=True,
+                                                                       half_sums=4)
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert interface.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read

@@ -67,18 +67,6 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 #   The fused op, fp16, N=48 seed shapes around random reference points (H100): 10 rounds (all of L2) 3745 / 3748,
 #   6 aligned rounds 3665 / 3663, with whole lines 3639 / 3639.
 TABLE_RANGE_TOLERANCE = 0.1
-# Launches through the order table at 8 or more points a level (unfused fp16/bf16 value: _half_sums_measured) fold
-# each sample's attention weight into its corner weights and add up to this many samples' packed half corner sums
-# before each fp32 add (KernelConfig.half_sums). H100, session 28, tune.py, two runs in opposite orders, µs:
-#   fp16 (rel err 4e-4 -> 6e-4): seed-b48 3400.5 / 3403.6 -> 3295.8 / 3287.6, -shuffled 3412.6 / 3416.3 -> 3302.2 /
-#   3300.2, N=32 seed shapes shuffled 2287.6 / 2286.8 -> 2215.3 / 2211.6, N=64 around reference points 4531.7 /
-#   4532.6 -> 4385.0 / 4386.1; sums of 4 gained about a fifth less.
-#   bf16 (3e-3 -> 4e-3 at 4, 5e-3 at 8, against a bound of 8e-3): seed-b48 3411.1 / 3407.8 -> 3325.5 / 3324.4 at 4,
-#   3292.5 / 3293.1 at 8; 4 keeps twice the margin to the bound.
-# Lost: 4 points a level through the table (N=24 detr encoders shuffled, 1375.1 / 1374.7 -> 1386.6 / 1386.8), the
-# single-CTA launches (detr-encoder 126.9 -> 129.8-135.0, dcnv4-test 84.1 -> 90.6-102.0); the decoders tied or
-# lost up to 2%.
-TABLE_HALF_SUMS = {"float16": 8, "bfloat16": 4}
 MIN_TILES_PER_GROUP = 2
 # Calls with at least this many samples (N*Lq*M*L*P) sort each image's queries by position first and
 # run the kernel through that order (reorder_queries="auto"): the order table (order.py, two launches) and
@@ -288,8 +276,8 @@ def launch_variants(cfg) -> list:
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         table = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}  # choose_launch's rules for the table
-        if _half_sums_measured(cfg) and cfg.half_sums == 0:
-            table["half_sums"] = TABLE_HALF_SUMS[cfg.value_dtype]
+        if _table_half_sums(cfg) and cfg.half_sums == 0:
+            table["half_sums"] = _table_half_sums(cfg)
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
 
@@ -303,10 +291,24 @@ def _table_rounds_measured(cfg) -> bool:
     return cfg.packed_math and cfg.fine_gather == "ldg" and cfg.head_dim * cfg.itemsize == 64
 
 
-def _half_sums_measured(cfg) -> bool:
-    """The kernels whose launches through the order table sum several samples in packed half arithmetic
-    (KernelConfig.half_sums, TABLE_HALF_SUMS): fp16/bf16 value, unfused, L1 gathers, 8 or more points a level."""
-    return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and cfg.num_points >= 8
+def _table_half_sums(cfg) -> int:
+    """KernelConfig.half_sums of a launch through the order table: fp16/bf16 value, L1 gathers and 8 or more points
+    a level fold each sample's attention weight into its corner weights and add up to this many samples' packed
+    half corner sums before each fp32 add; 0 elsewhere. Session 28, two runs in opposite orders, µs:
+    - unfused, tune.py (H100): fp16 sums of 8 (rel err 4e-4 -> 6e-4): seed-b48 3400.5 / 3403.6 -> 3295.8 / 3287.6,
+      -shuffled 3412.6 / 3416.3 -> 3302.2 / 3300.2, N=32 seed shapes shuffled 2287.6 / 2286.8 -> 2215.3 / 2211.6,
+      N=64 around reference points 4531.7 / 4532.6 -> 4385.0 / 4386.1 (sums of 4 about a fifth less; H200 seed-b48
+      3383.1 -> 3275.8); bf16 sums of 4 (3e-3 -> 4e-3; 5e-3 at 8, against a bound of 8e-3): seed-b48 3411.1 /
+      3407.8 -> 3325.5 / 3324.4 (3292.5 / 3293.1 at 8).
+    - fused, N=48 seed shapes around reference points (H100, an out/ script): fp16 3635.0 / 3634.8 -> 3431.4 / 3431.2
+      at 4 (3453.7 / 3454.1 at 8; 4.2e-4 -> 5.2e-4), bf16 3690.6 / 3688.3 -> 3413.2 / 3414.4 at 4 (3446.2 / 3447.2
+      at 8; 3.3e-3 -> 4.1e-3).
+    Lost: 4 points a level through the table (N=24 detr encoders shuffled, 1375.1 / 1374.7 -> 1386.6 / 1386.8), the
+    single-CTA launches (detr-encoder 126.9 -> 129.8-135.0, dcnv4-test 84.1 -> 90.6-102.0); the decoders tied or
+    lost up to 2%. Those keep the fp32 add a sample."""
+    if not (cfg.packed_math and cfg.fine_gather == "ldg" and cfg.num_points >= 8):
+        return 0
+    return 8 if cfg.value_dtype == "float16" and not cfg.fused else 4
 
 
 def _hints_measured(cfg, permuted: bool) -> bool:
@@ -584,8 +586,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             align = TABLE_RANGE_TOLERANCE
         if "line_prefetch" not in fixed:
             changes["line_prefetch"] = True
-    if permuted and "half_sums" not in fixed and _half_sums_measured(cfg):
-        changes["half_sums"] = TABLE_HALF_SUMS[cfg.value_dtype]
+    if permuted and "half_sums" not in fixed and _table_half_sums(cfg):
+        changes["half_sums"] = _table_half_sums(cfg)
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window, align)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and (not schedule.whole or not cfg.packed_math)))
