@@ -151,7 +151,9 @@ FUSED = ([dict(value=v, ref_dims=r, D=32, L=4, P=4, variant=var)
           for v, r, var in itertools.product(("fp32", "fp16", "bf16"), (2, 4),
                                             ("default", "generic", "reorder", "single7"))]
          + [dict(value="fp16", ref_dims=r, D=D, L=L, P=P, variant="default")
-            for r, (D, L, P) in itertools.product((2, 4), ((48, 3, 3), (30, 2, 5)))])
+            for r, (D, L, P) in itertools.product((2, 4), ((48, 3, 3), (30, 2, 5)))]
+         # the order table at 8 points a level: the fused launch's half sums (KernelConfig.half_sums)
+         + [dict(value=v, ref_dims=2, D=32, L=4, P=8, variant="reorder") for v in ("fp16", "bf16")])
 
 
 def fused_case_id(c):
