@@ -275,11 +275,21 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
-        table = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}  # choose_launch's rules for the table
-        if _table_half_sums(cfg) and cfg.half_sums == 0:
-            table["half_sums"] = _table_half_sums(cfg)
+        table = _table_knobs(cfg)
+        if cfg.half_sums:  # a caller's half sums stay
+            table.pop("half_sums", None)
         out.append(dataclasses.replace(cfg, permuted=True, gather_batch=batch(False, True), **table))
     return out
+
+
+def _table_knobs(cfg) -> dict:
+    """The static knobs a launch through the order table sets (choose_launch; launch_variants precompiles them):
+    whole-line L2 fetches where its rounds follow the segments, and the half sums where they were measured."""
+    knobs = dict(line_prefetch=True) if _table_rounds_measured(cfg) else {}
+    sums = _table_half_sums(cfg)
+    if sums:
+        knobs["half_sums"] = sums
+    return knobs
 
 
 def _table_rounds_measured(cfg) -> bool:
@@ -581,13 +591,10 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     permuted = changes.get("permuted", cfg.permuted)
     shared_producer = cfg.prefetch_inputs and not permuted
     align = 0.0
-    if permuted and _table_rounds_measured(cfg):
-        if given_window is None:
+    if permuted:
+        if _table_rounds_measured(cfg) and given_window is None:
             align = TABLE_RANGE_TOLERANCE
-        if "line_prefetch" not in fixed:
-            changes["line_prefetch"] = True
-    if permuted and "half_sums" not in fixed and _table_half_sums(cfg):
-        changes["half_sums"] = _table_half_sums(cfg)
+        changes.update({knob: v for knob, v in _table_knobs(cfg).items() if knob not in fixed})
     grid, schedule = grid_and_schedule(cfg, N, Lq, S, sms, l2_bytes, window, align)
     single_cta = ((schedule.rounds == 1 and not schedule.whole)
                   or (not permuted and (not schedule.whole or not cfg.packed_math)))
