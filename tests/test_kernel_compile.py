@@ -84,6 +84,10 @@ VARIANTS = [
     ("half-sums-bf16-split", tiled("bfloat16", "float32", "float32", 8, 4, 4, 32, permuted=True, half_sums=2)),
     ("half-sums-fused", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 8, 32, fused=True, permuted=True,
                               half_sums=4)),
+    # ... and two samples' loads at once at three levels (Mask2Former's pixel decoder).
+    ("two-samples-three-levels", tiled("float16", "float32", "float32", 8, 3, 4, 32, cluster_size=1, num_groups=7,
+                                       producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
+                                       segment_cost=4, gather_batch=2)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -339,6 +343,34 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         # 384 segments on 66 pairs: 6 rounds, 396 ranges; a caller's window still sets the rounds (all of L2: 10)
         assert (schedule.rounds, schedule.whole) == (6, False)
         assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
+
+
+@pytest.mark.parametrize("levels,N,batch", [
+    ([(128, 128), (64, 64), (32, 32)], 2, 2),  # Mask2Former's pixel decoder at 1024x1024: two samples at once
+    ([(100, 167), (50, 84), (25, 42)], 2, 2),
+    ([(128, 256), (64, 128), (32, 64)], 1, 2),  # nothing staged
+    ([(100, 167), (50, 84)], 2, 2),
+    ([(128, 128), (64, 64), (32, 32)], 8, None),  # several rounds: one
+    ([(100, 167), (50, 84), (25, 42), (13, 21)], 2, None),  # four levels (detr-encoder): one
+    ([(200, 200)], 2, None),  # one level: one
+])
+def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N, batch):
+    """One round of single CTAs over long ranges (encoders) issues two samples' loads at once at two or three levels
+    of up to four points (interface._few_levels_batch); over several rounds, at one or four levels, at 8 points, with
+    fp32 value, fused, or where the caller chose a batch, it does not."""
+    S = sum(h * w for h, w in levels)
+    Lq = S if len(levels) > 1 else 40000
+    cfg = tiled("float16", "float32", "float32", 8, len(levels), 4, 32)
+    changes, _, schedule = launch_of(cfg, N, Lq, S)
+    assert changes["cluster_size"] == 1 and not schedule.whole
+    assert changes.get("gather_batch") == batch
+    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+    if batch:
+        assert "gather_batch" not in launch_of(cfg, N, Lq, S, fixed={"gather_batch"})[0]
+        for other in (tiled("float16", "float32", "float32", 8, len(levels), 8, 32),
+                      tiled("float32", "float32", "float32", 8, len(levels), 4, 32),
+                      tiled("float16", "float16", "float16", 8, len(levels), 4, 32, fused=True)):
+            assert "gather_batch" not in launch_of(other, N, Lq, S)[0], other
 
 
 def test_table_rounds_follow_the_segments_where_two_heads_share_a_line():

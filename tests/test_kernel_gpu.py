@@ -355,6 +355,21 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
+@pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])
+def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
+    """An encoder of two or three levels (Mask2Former's pixel decoder has three) runs single CTAs that issue two
+    samples' loads at once: every image within the bound of float64, outputs poisoned, as with one at a time."""
+    S = pixels(levels)
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
+    cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
+    assert cfg.cluster_size == 1 and cfg.gather_batch == 2
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    for tuning in ({}, dict(gather_batch=1)):
+        poison_allocator(value.numel() * 4)
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+
+
 def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
     """decoder-b16's launch (single CTAs over one whole segment each) starts every group's first tile on the L1
     levels: every image within the bound of float64, outputs poisoned, as without it (the first tile's level

@@ -245,8 +245,8 @@ def launch_variants(cfg) -> list:
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
 
-    def batch(whole: bool, permuted: bool) -> int:  # a batch the caller chose stays
-        return _launch_gather_batch(cfg, whole, permuted) if cfg.gather_batch == 1 else cfg.gather_batch
+    def batch(whole: bool, permuted: bool, one_round: bool = False) -> int:  # a batch the caller chose stays
+        return _launch_gather_batch(cfg, whole, permuted, one_round) if cfg.gather_batch == 1 else cfg.gather_batch
 
     out = [cfg]
     if not cfg.l1_first:
@@ -272,6 +272,8 @@ def launch_variants(cfg) -> list:
             one_round = dict(coarse_evict_last=True)
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
+            if batch(False, False, True) > 1:  # ... and two samples' loads at once at two or three levels
+                one_round["gather_batch"] = batch(False, False, True)
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
@@ -335,14 +337,34 @@ def _half_vectors_measured(cfg, permuted: bool) -> bool:
             and cfg.level_points <= 16)
 
 
-def _launch_gather_batch(cfg, whole: bool, permuted: bool) -> int:
+def _launch_gather_batch(cfg, whole: bool, permuted: bool, one_round: bool = False) -> int:
     """The samples whose loads a thread issues before it sums any (KernelConfig.gather_batch) that a launch
     of fp16/bf16 value, unfused, takes (H100, session 10): four for whole segments (65.0 / 61.2 / 62.4
     against 68.7 / 64.9 / 64.1 us on detr-decoder / -ref / decoder-b16), two through the order table (4072
-    against 4202 us on seed-b48); one elsewhere, where it lost or tied."""
+    against 4202 us on seed-b48); two for one round of single CTAs over long ranges at two or three levels of up
+    to four points (one_round; _few_levels_batch); one elsewhere, where it lost or tied."""
     if not cfg.packed_math or cfg.fused or cfg.fine_gather != "ldg":
         return 1
-    return 4 if whole else 2 if permuted else 1
+    if whole:
+        return 4
+    if permuted:
+        return 2
+    return 2 if one_round and _few_levels_batch(cfg) else 1
+
+
+def _few_levels_batch(cfg) -> bool:
+    """Whether one round of single CTAs over long ranges (encoders of one or two images) issues two samples' loads at
+    once: at two or three levels of up to four points. Session 29 (H100, tune.py, two runs in opposite orders, µs,
+    batch 1 -> 2): Mask2Former's
+    three levels 128x128-32x32, N=2, Lq=S, offsets around each query 118.5 / 118.0 -> 111.7 / 111.5, Deformable
+    DETR's initial offsets 113.9 / 114.0 -> 109.7 / 110.0; DETR's first three levels (100x167-25x42) 120.4 / 121.0
+    -> 115.2 / 115.6 and 115.4 / 114.7 -> 110.9 / 110.9; 64x64-16x16 36.2 / 36.8 -> 35.9 / 35.2; 128x256-32x64 at
+    N=1 (nothing staged) 134.4 / 134.4 -> 129.6 / 130.5; two levels (100x167, 50x84) 95.2 / 96.1 -> 90.2 / 89.6.
+    Lost: four levels (detr-encoder 126.5 / 126.4 -> 130.7 / 130.3, -init 115.7 / 116.9 -> 122.7 / 122.9; P = 8:
+    dcnv4-test 84.0 / 84.5 -> 85.5 / 85.7), one level of 200x200 (111.6 / 111.6 -> 114.5 / 114.0), and several
+    rounds (Mask2Former's levels at N=8, four rounds: 386.9 / 387.6 -> 415.8 / 416.3; DETR's first three at N=4:
+    207.9 / 208.3 -> 216.8 / 216.5)."""
+    return 2 <= cfg.num_levels <= 3 and cfg.num_points <= 4
 
 
 LAUNCH_KNOBS = ("window_fraction", "reorder_queries")
@@ -709,7 +731,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # 60.2-61.2 -> 59.2-60.2 us, -ref 58.5-59.3 -> 57.4-57.9, decoder-b16 54.8-55.0 -> 53.5-54.8. It lost
         # 5% on dcnv4-test and tied on the encoders (single CTAs over one long range).
         changes["early_inputs"] = True
-    batch = _launch_gather_batch(cfg, schedule.whole, permuted)
+    one_round = changes.get("cluster_size", cfg.cluster_size) == 1 and schedule.rounds == 1
+    batch = _launch_gather_batch(cfg, schedule.whole, permuted, one_round)
     if batch > 1 and "gather_batch" not in fixed:
         changes["gather_batch"] = batch
     cost = changes.get("segment_cost", cfg.segment_cost)
