@@ -373,6 +373,22 @@ def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N,
             assert "gather_batch" not in launch_of(other, N, Lq, S)[0], other
 
 
+@pytest.mark.parametrize("side,N", [(200, 1), (200, 2), (150, 2), (100, 4)])
+def test_single_ctas_at_one_level_take_rounds_over_a_quarter_of_l2(side, N):
+    """A one-level launch of single CTAs (BEVFormer-like self-attention) plans its rounds over a quarter of L2, not
+    half; a caller's window stays; at three levels, half."""
+    S = side * side
+    one = tiled("float16", "float32", "float32", 8, 1, 4, 32)
+    changes, _, schedule = launch_of(one, N, S, S)
+    assert changes["cluster_size"] == 1
+    assert schedule == launch_of(one, N, S, S, window=interface.ONE_LEVEL_WINDOW_L2_FRACTION)[2]
+    assert schedule.rounds > launch_of(one, N, S, S, window=interface.SINGLE_CTA_WINDOW_L2_FRACTION)[2].rounds
+    assert launch_of(one, N, S, S, window=1.0)[2].rounds == 1
+    three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
+    assert (launch_of(three, 8, 21504, 21504)[2]
+            == launch_of(three, 8, 21504, 21504, window=interface.SINGLE_CTA_WINDOW_L2_FRACTION)[2])
+
+
 def test_table_rounds_follow_the_segments_where_two_heads_share_a_line():
     """Through the order table, fp16/bf16 value in 64-byte head rows (fused or not) takes rounds of about a
     segment a range and whole-line fetches; fp32 value (a head a line) keeps the window's rounds."""

@@ -370,6 +370,21 @@ def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
         assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
 
 
+def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
+    """A one-level BEV-like launch (200x200, N=2, a query a pixel) runs single CTAs over rounds of a quarter of L2:
+    every image within the bound of float64, outputs poisoned, as in one round (the caller's window of all L2)."""
+    levels = [(200, 200)]
+    S = pixels(levels)
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
+    _, _, schedule = interface.choose_launch(interface.config_for(value, loc, attn), 2, S, S, 132, 50 << 20, None, "auto")
+    assert schedule.rounds > 1
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    for tuning in ({}, dict(window_fraction=1.0)):
+        poison_allocator(value.numel() * 4)
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+
+
 def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
     """decoder-b16's launch (single CTAs over one whole segment each) starts every group's first tile on the L1
     levels: every image within the bound of float64, outputs poisoned, as without it (the first tile's level

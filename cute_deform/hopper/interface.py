@@ -51,6 +51,16 @@ WINDOW_L2_FRACTION = 1.0
 # rounds: half of L2 (batched encoders, H100: N=8 detr shapes 540 -> 471 us against CTA pairs with all of
 # L2, 497 with single CTAs and all of L2; N=2 keeps one round).
 SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
+# ... and at one level (BEVFormer-like self-attention over a BEV grid: no level small enough to stage), a quarter:
+# rounds over fewer (image, head) slices, each range still some turns of the groups. Session 29, tune.py, two runs in
+# opposite orders, µs, half -> a quarter (H100 / H200): 200x200 N=1 67.5, 67.6 -> 51.4, 50.7 / 55.0, 54.8 -> 46.9,
+# 47.2; N=2 109.8, 109.7 -> 93.5, 93.2 / 89.2, 88.4 -> 86.5, 86.4; N=4 210.6, 210.2 -> 177.1, 176.5 / 187.6, 187.7
+# -> 170.0, 169.3; 150x150 N=2 74.0, 73.8 -> 58.8, 59.1 / 62.9, 63.2 -> 52.3, 52.3; 100x100 N=4 64.1, 64.7 -> 58.1,
+# 58.2 / 53.9, 53.4 -> 50.2, 49.8; 200x200 N=2 with Deformable DETR's initial offsets 105.3, 106.5 -> 92.6, 92.9 /
+# 83.8, 82.8 -> 80.5, 80.6; 150x150 N=1 (one round either way) tied. An eighth lost (200x200 N=2 129.8: ranges of
+# under two turns a round). At three or four levels a quarter tied or lost (H100: 128x256-32x64 N=1 129.0 -> 126.8,
+# 127.6; Mask2Former's 128x128-32x32 N=2 111.7 -> 110.7, 111.6; detr-encoder 126.6 -> 134.2, 135.0).
+ONE_LEVEL_WINDOW_L2_FRACTION = 0.25
 # Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured)
 # ask L2 for whole lines (line_prefetch) and take rounds by the segments, not by L2: the fewest rounds giving k
 # ranges a segment or up to this much more (tile_scheduler.aligned_rounds), k = 1 where it can. With every
@@ -636,7 +646,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
         if given_window is None and cfg.packed_math and not cfg.fused:
-            window = SINGLE_CTA_WINDOW_L2_FRACTION
+            window = ONE_LEVEL_WINDOW_L2_FRACTION if cfg.num_levels == 1 else SINGLE_CTA_WINDOW_L2_FRACTION
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window,
                                            align)
     if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
