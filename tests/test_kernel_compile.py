@@ -356,8 +356,8 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
 ])
 def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N, batch):
     """One round of single CTAs over long ranges (encoders) issues two samples' loads at once at two or three levels
-    of up to four points (interface._few_levels_batch); over several rounds, at one or four levels, at 8 points, with
-    fp32 value, fused, or where the caller chose a batch, it does not."""
+    of up to four points in 64-byte head rows (interface._few_levels_batch); over several rounds, at one or four
+    levels, at 8 points, in other rows, with fp32 value, fused, or where the caller chose a batch, it does not."""
     S = sum(h * w for h, w in levels)
     Lq = S if len(levels) > 1 else 40000
     cfg = tiled("float16", "float32", "float32", 8, len(levels), 4, 32)
@@ -369,6 +369,7 @@ def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N,
         assert "gather_batch" not in launch_of(cfg, N, Lq, S, fixed={"gather_batch"})[0]
         for other in (tiled("float16", "float32", "float32", 8, len(levels), 8, 32),
                       tiled("float32", "float32", "float32", 8, len(levels), 4, 32),
+                      tiled("float16", "float32", "float32", 8, len(levels), 4, 64),
                       tiled("float16", "float16", "float16", 8, len(levels), 4, 32, fused=True)):
             assert "gather_batch" not in launch_of(other, N, Lq, S)[0], other
 

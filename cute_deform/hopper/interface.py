@@ -364,17 +364,17 @@ def _launch_gather_batch(cfg, whole: bool, permuted: bool, one_round: bool = Fal
 
 def _few_levels_batch(cfg) -> bool:
     """Whether one round of single CTAs over long ranges (encoders of one or two images) issues two samples' loads at
-    once: at two or three levels of up to four points. Session 29 (H100, tune.py, two runs in opposite orders, µs,
-    batch 1 -> 2): Mask2Former's
-    three levels 128x128-32x32, N=2, Lq=S, offsets around each query 118.5 / 118.0 -> 111.7 / 111.5, Deformable
-    DETR's initial offsets 113.9 / 114.0 -> 109.7 / 110.0; DETR's first three levels (100x167-25x42) 120.4 / 121.0
-    -> 115.2 / 115.6 and 115.4 / 114.7 -> 110.9 / 110.9; 64x64-16x16 36.2 / 36.8 -> 35.9 / 35.2; 128x256-32x64 at
-    N=1 (nothing staged) 134.4 / 134.4 -> 129.6 / 130.5; two levels (100x167, 50x84) 95.2 / 96.1 -> 90.2 / 89.6.
-    Lost: four levels (detr-encoder 126.5 / 126.4 -> 130.7 / 130.3, -init 115.7 / 116.9 -> 122.7 / 122.9; P = 8:
-    dcnv4-test 84.0 / 84.5 -> 85.5 / 85.7), one level of 200x200 (111.6 / 111.6 -> 114.5 / 114.0), and several
-    rounds (Mask2Former's levels at N=8, four rounds: 386.9 / 387.6 -> 415.8 / 416.3; DETR's first three at N=4:
-    207.9 / 208.3 -> 216.8 / 216.5)."""
-    return 2 <= cfg.num_levels <= 3 and cfg.num_points <= 4
+    once: at two or three levels of up to four points, in 64-byte head rows (four threads a query; the only rows
+    measured). Session 29 (H100, tune.py, two runs in opposite orders, µs, batch 1 -> 2): Mask2Former's three levels
+    128x128-32x32, N=2, Lq=S, offsets around each query 118.5 / 118.0 -> 111.7 / 111.5, Deformable DETR's initial
+    offsets 113.9 / 114.0 -> 109.7 / 110.0; DETR's first three levels (100x167-25x42) 120.4 / 121.0 -> 115.2 / 115.6
+    and 115.4 / 114.7 -> 110.9 / 110.9; 64x64-16x16 36.2 / 36.8 -> 35.9 / 35.2; 128x256-32x64 at N=1 (nothing
+    staged) 134.4 / 134.4 -> 129.6 / 130.5; two levels (100x167, 50x84) 95.2 / 96.1 -> 90.2 / 89.6. Lost: four
+    levels (detr-encoder 126.5 / 126.4 -> 130.7 / 130.3, -init 115.7 / 116.9 -> 122.7 / 122.9; P = 8: dcnv4-test
+    84.0 / 84.5 -> 85.5 / 85.7), one level of 200x200 (111.6 / 111.6 -> 114.5 / 114.0), and several rounds
+    (Mask2Former's levels at N=8, four rounds: 386.9 / 387.6 -> 415.8 / 416.3; DETR's first three at N=4: 207.9 /
+    208.3 -> 216.8 / 216.5)."""
+    return 2 <= cfg.num_levels <= 3 and cfg.num_points <= 4 and cfg.head_dim * cfg.itemsize == 64
 
 
 LAUNCH_KNOBS = ("window_fraction", "reorder_queries")
