@@ -8,6 +8,7 @@ run is reported and the script exits non-zero. The table is printed last.
     python scripts/compare.py                                   # all presets, fp16 value, fp32 locations
     python scripts/compare.py --presets dcnv4-test --dtype bf16 --impls classic,vec,tma
     python scripts/compare.py --levels 64x64,32x32 --N 2 --Lq 5120 --P 4 --locations uniform
+    python scripts/compare.py --presets models --impls dcnv4,cute   # Mask2Former, BEV and RT-DETR shapes
     python scripts/compare.py --presets detr-encoder --ncu tma   # dram / l1tex / sm throughput of one kernel
     python scripts/compare.py --presets detr-decoder --ncu cute --ncu-l2 dirty   # the L2 state do_bench times in
     python scripts/compare.py --csv results/compare.csv --png results/compare.png
@@ -49,6 +50,18 @@ PRESETS = {
     "decoder-b16": dict(N=16, Lq=300, levels=DETR_LEVELS, P=4, locations="uniform"),
     "seed-b48": dict(N=48, Lq=15422, levels=SEED_LEVELS, P=8, locations="local"),
     "seed-b48-shuffled": dict(N=48, Lq=15422, levels=SEED_LEVELS, P=8, locations="local", order="shuffled"),
+}
+# Shapes of models beyond Deformable DETR (docs/performance.md, session 29), by name or all at once with
+# `--presets models`; not part of `all`, the issue's presets.
+MODEL_PRESETS = {
+    # Mask2Former's pixel decoder at 1024x1024 (1/8 to 1/32 of the image), and at Cityscapes' 1024x2048.
+    "mask2former-encoder": dict(N=2, Lq=None, levels=[(128, 128), (64, 64), (32, 32)], P=4, locations="local"),
+    "mask2former-cityscapes": dict(N=1, Lq=None, levels=[(128, 256), (64, 128), (32, 64)], P=4, locations="local"),
+    # BEVFormer-like self-attention over a 200x200 BEV grid: one level, a query a cell.
+    "bev-self-attention": dict(N=2, Lq=None, levels=[(200, 200)], P=4, locations="local"),
+    # RT-DETR's decoder at 640x640: 300 queries around reference points.
+    "rtdetr-decoder": dict(N=16, Lq=300, levels=[(80, 80), (40, 40), (20, 20)], P=4, locations="ref"),
+    "rtdetr-decoder-b4": dict(N=4, Lq=300, levels=[(80, 80), (40, 40), (20, 20)], P=4, locations="ref"),
 }
 ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute")
 # cute's bounds: fp32 arithmetic, and packed half arithmetic for the corner sums of fp16 / bf16 value.
@@ -132,7 +145,9 @@ class Row:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default="all", help=f"comma list of {','.join(PRESETS)} or 'all'")
+    p.add_argument("--presets", default="all",
+                   help=f"comma list of {','.join(PRESETS)} or 'all'; model shapes: {','.join(MODEL_PRESETS)} or "
+                        "'models'")
     p.add_argument("--levels", help="custom shape: levels as HxW,HxW,... (adds a 'custom' preset and drops the rest "
                    "unless --presets is given too)")
     p.add_argument("--N", type=int, default=1, help="custom: batch")
@@ -177,12 +192,13 @@ def parse_args(argv=None):
 
 def selected_shapes(args) -> list[Shape]:
     shapes = []
-    names = [] if (args.levels and args.presets == "all") else (
-        list(PRESETS) if args.presets == "all" else [n.strip() for n in args.presets.split(",") if n.strip()])
+    names = [] if (args.levels and args.presets == "all") else [n.strip() for n in args.presets.split(",") if n.strip()]
+    names = [m for n in names for m in (PRESETS if n == "all" else MODEL_PRESETS if n == "models" else [n])]
+    known = {**PRESETS, **MODEL_PRESETS}
     for name in names:
-        if name not in PRESETS:
-            sys.exit(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-        cfg = PRESETS[name]
+        if name not in known:
+            sys.exit(f"unknown preset {name!r}; choose from {', '.join(known)}")
+        cfg = known[name]
         levels = list(cfg["levels"])
         S = sum(h * w for h, w in levels)
         shapes.append(Shape(name, cfg["N"], cfg["Lq"] or S, levels, cfg["P"], args.M, args.D,

@@ -2,6 +2,7 @@
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
@@ -37,6 +38,18 @@ def test_uniform_decoder_reads_a_third_of_its_value():
     fraction = compare.touched_value_rows(shape, loc) / (shape.N * shape.S * shape.M)
     # Level 0 (16,700 pixels) gets 300 queries x 4 points x 4 corners per head: a quarter of its rows.
     assert 0.33 < fraction < 0.42
+
+
+def test_model_presets_are_chosen_by_name_or_together_and_not_by_default():
+    names = lambda argv: [s.name for s in compare.selected_shapes(compare.parse_args(argv))]  # noqa: E731
+    assert names([]) == list(compare.PRESETS)
+    assert names(["--presets", "models"]) == list(compare.MODEL_PRESETS)
+    assert names(["--presets", "bev-self-attention,detr-encoder"]) == ["bev-self-attention", "detr-encoder"]
+    assert names(["--presets", "all,models"]) == list(compare.PRESETS) + list(compare.MODEL_PRESETS)
+    bev = compare.selected_shapes(compare.parse_args(["--presets", "bev-self-attention"]))[0]
+    assert (bev.N, bev.Lq, bev.S, bev.P) == (2, 40000, 40000, 4)
+    with pytest.raises(SystemExit):
+        compare.selected_shapes(compare.parse_args(["--presets", "no-such-model"]))
 
 
 def test_tune_takes_custom_shapes_next_to_presets():
