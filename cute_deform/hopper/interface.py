@@ -59,7 +59,8 @@ SINGLE_CTA_WINDOW_L2_FRACTION = 0.5
 # 58.2 / 53.9, 53.4 -> 50.2, 49.8; 200x200 N=2 with Deformable DETR's initial offsets 105.3, 106.5 -> 92.6, 92.9 /
 # 83.8, 82.8 -> 80.5, 80.6; 150x150 N=1 (one round either way) tied. An eighth lost (200x200 N=2 129.8: ranges of
 # under two turns a round). At three or four levels a quarter tied or lost (H100: 128x256-32x64 N=1 129.0 -> 126.8,
-# 127.6; Mask2Former's 128x128-32x32 N=2 111.7 -> 110.7, 111.6; detr-encoder 126.6 -> 134.2, 135.0).
+# 127.6; Mask2Former's 128x128-32x32 N=2 111.7 -> 110.7, 111.6; detr-encoder 126.6 -> 134.2, 135.0). Measured in
+# 64-byte head rows; the window counts bytes, so other rows take the same share of L2.
 ONE_LEVEL_WINDOW_L2_FRACTION = 0.25
 # Launches through the order table (fp16/bf16 value in 64-byte head rows, fused or not: _table_rounds_measured)
 # ask L2 for whole lines (line_prefetch) and take rounds by the segments, not by L2: the fewest rounds giving k
