@@ -321,6 +321,20 @@ def decoder_inputs(gen, levels, batch, queries):
     return value.half().cuda(), shapes.cuda(), starts.cuda(), loc.cuda(), attn.cuda()
 
 
+def within_reference(inputs, tunings):
+    """The op's output under each tuning (outputs poisoned first), each finite and within the fp16 bound of the
+    float64 reference."""
+    value, shapes, starts, loc, attn = inputs
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    outs = []
+    for tuning in tunings:
+        poison_allocator(value.numel() * 4)
+        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+        outs.append(out)
+    return outs
+
+
 def test_decoder_batch_with_several_segments_a_pair(gen):
     """A large batch of DETR decoders (N=32, Lq=300: about four whole segments a CTA pair), which the launch
     runs with 8-byte vectors: every image within the bound of float64, and two runs bitwise equal."""
@@ -345,13 +359,7 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     S = value.shape[1]
     cfg = launched_config(value, loc, attn, None, {}, 2, 22223, S)
     assert cfg.cluster_size == 1 and cfg.segment_cost > 0
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    outs = []
-    for tuning in ({}, dict(segment_cost=0)):
-        poison_allocator(value.numel() * 4)
-        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
-    for out in outs:
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16]
+    outs = within_reference((value, shapes, starts, loc, attn), ({}, dict(segment_cost=0)))
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
@@ -363,11 +371,7 @@ def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
     cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
     assert cfg.cluster_size == 1 and cfg.gather_batch == 2
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    for tuning in ({}, dict(gather_batch=1)):
-        poison_allocator(value.numel() * 4)
-        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+    within_reference((value, shapes, starts, loc, attn), ({}, dict(gather_batch=1)))
 
 
 def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
@@ -376,13 +380,9 @@ def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     levels = [(200, 200)]
     S = pixels(levels)
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
-    _, _, schedule = interface.choose_launch(interface.config_for(value, loc, attn), 2, S, S, 132, 50 << 20, None, "auto")
-    assert schedule.rounds > 1
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    for tuning in ({}, dict(window_fraction=1.0)):
-        poison_allocator(value.numel() * 4)
-        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+    cfg = interface.config_for(value, loc, attn)
+    assert interface.choose_launch(cfg, 2, S, S, 132, 50 << 20, None, "auto")[2].rounds > 1
+    within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=1.0)))
 
 
 def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
@@ -392,11 +392,7 @@ def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
     value, shapes, starts, loc, attn = decoder_inputs(gen, DETR_LEVELS, batch=16, queries=300)
     cfg = launched_config(value, loc, attn, None, {}, 16, 300, value.shape[1])
     assert cfg.cluster_size == 1 and cfg.l1_first_tile and cfg.alternates
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    for tuning in ({}, dict(l1_first_tile=False)):
-        poison_allocator(value.numel() * 4)
-        out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+    within_reference((value, shapes, starts, loc, attn), ({}, dict(l1_first_tile=False)))
 
 
 @pytest.mark.parametrize("levels", [DETR_LEVELS,
@@ -408,13 +404,8 @@ def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=8, queries=900)
     cfg = launched_config(value, loc, attn, None, {}, 8, 900, value.shape[1])
     assert cfg.cluster_size == 2 and cfg.prefetch_levels
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    outs = []
-    for tuning in ({}, dict(prefetch_levels=False)):
-        poison_allocator(value.numel() * 4)
-        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
-    assert rel_err(outs[0], ref) <= BOUND[torch.float16]
+    outs = within_reference((value, shapes, starts, loc, attn), ({}, dict(prefetch_levels=False)))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("cluster_size", [1, 2])
