@@ -283,8 +283,9 @@ def launch_variants(cfg) -> list:
             one_round = dict(coarse_evict_last=True)
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
-            if batch(False, False, True) > 1:  # ... and two samples' loads at once at two or three levels
-                one_round["gather_batch"] = batch(False, False, True)
+            few_levels = batch(False, False, True)
+            if few_levels > 1:  # ... and two samples' loads at once at two or three levels
+                one_round["gather_batch"] = few_levels
             out.append(dataclasses.replace(cfg, **one_round, **single))
         out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
