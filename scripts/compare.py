@@ -37,6 +37,7 @@ import peers  # noqa: E402
 
 DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
 SEED_LEVELS = [(92, 160), (46, 80), (23, 40), (12, 20)]
+RTDETR_LEVELS = [(80, 80), (40, 40), (20, 20)]  # 640x640 at strides 8-32
 # locations: local = around the query's own pixel (an encoder), init = Deformable DETR's initial offsets
 # around the query's pixel, ref = a few pixels around a random reference point per query (a decoder's
 # object queries), uniform = anywhere. order: queries as generated (raster order of their pixels) or
@@ -60,8 +61,8 @@ MODEL_PRESETS = {
     # BEVFormer-like self-attention over a 200x200 BEV grid: one level, a query a cell.
     "bev-self-attention": dict(N=2, Lq=None, levels=[(200, 200)], P=4, locations="local"),
     # RT-DETR's decoder at 640x640: 300 queries around reference points.
-    "rtdetr-decoder": dict(N=16, Lq=300, levels=[(80, 80), (40, 40), (20, 20)], P=4, locations="ref"),
-    "rtdetr-decoder-b4": dict(N=4, Lq=300, levels=[(80, 80), (40, 40), (20, 20)], P=4, locations="ref"),
+    "rtdetr-decoder": dict(N=16, Lq=300, levels=RTDETR_LEVELS, P=4, locations="ref"),
+    "rtdetr-decoder-b4": dict(N=4, Lq=300, levels=RTDETR_LEVELS, P=4, locations="ref"),
 }
 ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute")
 # cute's bounds: fp32 arithmetic, and packed half arithmetic for the corner sums of fp16 / bf16 value.
