@@ -57,7 +57,10 @@ def shapes_of(names: list[str], custom: list[str] = ()) -> list:
     shapes = compare.selected_shapes(compare.parse_args(["--presets", ",".join(names)])) if names else []
     for spec in custom:
         shape = compare.selected_shapes(compare.parse_args(["--presets", ""] + shlex.split(spec)))[-1]
-        shapes.append(dataclasses.replace(shape, name=f"N{shape.N}-Lq{shape.Lq}-P{shape.P}-{shape.locations}"))
+        # Named by every field a custom shape sets, so that two shapes never share a row of the table.
+        finest = "x".join(map(str, shape.levels[0]))
+        name = f"L{len(shape.levels)}-{finest}-N{shape.N}-Lq{shape.Lq}-P{shape.P}-{shape.locations}-{shape.order}"
+        shapes.append(dataclasses.replace(shape, name=name))
     return shapes
 
 
@@ -143,14 +146,18 @@ def main(argv=None):
             del value, loc, attn, ref
             torch.cuda.empty_cache()
     names = [variant_name(t) for t in variants]
-    width = max(14, *(len(n) for n in names))
-    print("\n" + "preset".ljust(20) + "".join(n.rjust(width + 2) for n in names))
+    # Columns by short labels (a legend above the table) so that long variants keep the table readable.
+    labels = [f"v{i}" for i in range(len(names))]
+    for label, n in zip(labels, names):
+        print(f"{label}: {n}")
+    first = max([20] + [len(s.name) for s in shapes]) + 2
+    print("\n" + "preset".ljust(first) + "".join(label.rjust(16) for label in labels))
     for shape in shapes:
         cells = []
         for n in names:
             us, err = results[shape.name, n]
-            cells.append(f"{us:.1f} ({err:.0e})".rjust(width + 2))
-        print(shape.name.ljust(20) + "".join(cells))
+            cells.append(f"{us:.1f} ({err:.0e})".rjust(16))
+        print(shape.name.ljust(first) + "".join(cells))
     print("cells: µs (rel err of image 0 against float64)")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))

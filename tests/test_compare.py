@@ -56,7 +56,12 @@ def test_tune_takes_custom_shapes_next_to_presets():
     import tune
     shapes = tune.shapes_of(["decoder-b16"], ["--levels 100x167,50x84 --N 16 --Lq 900 --locations uniform",
                                               "--levels 10x10 --N 2 --P 3 --locations ref"])
-    assert [s.name for s in shapes] == ["decoder-b16", "N16-Lq900-P4-uniform", "N2-Lq100-P3-ref"]
+    assert [s.name for s in shapes] == ["decoder-b16", "L2-100x167-N16-Lq900-P4-uniform-sorted",
+                                        "L1-10x10-N2-Lq100-P3-ref-sorted"]
+    # Shapes that differ only in their levels or order get rows of their own.
+    twins = tune.shapes_of([], ["--levels 80x80 --N 1 --Lq 300", "--levels 100x167 --N 1 --Lq 300",
+                                "--levels 80x80 --N 1 --Lq 300 --order shuffled"])
+    assert len({s.name for s in twins}) == 3
     assert (shapes[1].N, shapes[1].Lq, shapes[1].levels) == (16, 900, [(100, 167), (50, 84)])
     assert tune.shapes_of([], [])[:] == []
 

@@ -279,6 +279,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
+                        dataclasses.replace(cfg, cluster_size=1, **interface.SHORT_RANGES, coarse_evict_last=True,
+                                            segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -343,6 +345,44 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         # 384 segments on 66 pairs: 6 rounds, 396 ranges; a caller's window still sets the rounds (all of L2: 10)
         assert (schedule.rounds, schedule.whole) == (6, False)
         assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
+
+
+DETR = [(100, 167), (50, 84), (25, 42), (13, 21)]
+RTDETR = [(80, 80), (40, 40), (20, 20)]
+
+
+@pytest.mark.parametrize("levels,N,Lq", [(DETR, 1, 300), (DETR, 4, 300), (DETR, 2, 900), (DETR, 4, 900),
+                                         (RTDETR, 1, 300), (RTDETR, 4, 300), (RTDETR, 4, 900)])
+def test_short_ranges_take_the_small_decoders_knobs(levels, N, Lq):
+    """One round of single CTAs over up to SHORT_RANGE_TILES tiles a CTA (decoders of one to four images) takes
+    interface.SHORT_RANGES in one round, without whole-line fetches; the single-CTA launch's encoder rules for a
+    segment's start and the coarse levels stay."""
+    S = sum(h * w for h, w in levels)
+    cfg = tiled("float16", "float32", "float32", 8, len(levels), 4, 32)
+    changes, grid, schedule = launch_of(cfg, N, Lq, S)
+    assert N * 8 * -(-Lq // 32) <= interface.SHORT_RANGE_TILES * grid
+    assert changes == dict(cluster_size=1, **interface.SHORT_RANGES, coarse_evict_last=True, segment_cost=4)
+    assert (schedule.rounds, schedule.whole) == (1, False)
+    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+    # A caller's window or groups stay: the window turns the rule off, the groups keep the rest of it.
+    assert launch_of(cfg, N, Lq, S, window=0.5)[0].get("vector_bytes", 16) == 16
+    fixed = launch_of(dataclasses.replace(cfg, num_groups=5), N, Lq, S, fixed={"num_groups"})[0]
+    assert "num_groups" not in fixed and fixed["vector_bytes"] == 8 and "split_setup" not in fixed
+
+
+@pytest.mark.parametrize("value,D,fused,levels,N,Lq", [
+    ("float16", 32, False, DETR, 2, 22223),  # an encoder: long ranges
+    ("float16", 32, False, DETR, 8, 300),  # whole segments (CTA pairs)
+    ("float32", 32, False, DETR, 1, 300),  # fp32 value
+    ("float16", 64, False, DETR, 1, 300),  # 128-byte head rows
+    ("float16", 32, True, DETR, 1, 300),  # the fused kernel
+])
+def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, levels, N, Lq):
+    S = sum(h * w for h, w in levels)
+    dt = "float16" if fused else "float32"
+    cfg = tiled(value, dt, dt, 8, len(levels), 4, D, fused=fused)
+    changes, _, _ = launch_of(cfg, N, Lq, S)
+    assert {k: changes.get(k) for k in interface.SHORT_RANGES} != interface.SHORT_RANGES, changes
 
 
 @pytest.mark.parametrize("levels,N,batch", [

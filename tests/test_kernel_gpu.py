@@ -385,6 +385,22 @@ def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=1.0)))
 
 
+@pytest.mark.parametrize("levels,batch,queries", [(DETR_LEVELS, 1, 300), ([(80, 80), (40, 40), (20, 20)], 4, 300),
+                                                   ([(32, 32), (16, 16), (8, 8)], 1, None)])
+def test_short_ranges_take_the_small_decoders_launch(gen, levels, batch, queries):
+    """Small decoders (Deformable DETR's 300 queries at N=1, RT-DETR's levels at N=4) and a small encoder run single
+    CTAs over short ranges with 8-byte vectors, four groups and the setup split (interface.SHORT_RANGES): every image
+    within the bound of float64, outputs poisoned, as with the single-CTA launch's knobs (a caller's window)."""
+    S = pixels(levels)
+    queries = queries or S
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=batch, queries=queries)
+    cfg = launched_config(value, loc, attn, None, {}, batch, queries, S)
+    assert cfg.cluster_size == 1 and cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.splits_setup
+    other = launched_config(value, loc, attn, None, dict(window_fraction=0.5), batch, queries, S)
+    assert other.cluster_size == 1 and other.vector_bytes == 16
+    within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=0.5)))
+
+
 def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
     """decoder-b16's launch (single CTAs over one whole segment each) starts every group's first tile on the L1
     levels: every image within the bound of float64, outputs poisoned, as without it (the first tile's level

@@ -98,6 +98,13 @@ SINGLE_CTA_SIX = dict(num_groups=6, producers=1, split_setup=False)
 # Through the order table each group keeps its own producer warp (its per-row copies are a warp's work):
 # six groups fit in 1024 threads.
 SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
+# One round of single CTAs over short ranges (small decoders: a few images' object queries, each CTA taking a
+# few tiles of a segment and staging it for them) takes the decoders' knobs and four groups with a producer warp
+# each and the setup split: the chain of a query's samples is the time there, not the CTA's throughput
+# (choose_launch has the measurements). Short: up to this many 32-query tiles a CTA.
+SHORT_RANGE_TILES = 8
+SHORT_RANGES = dict(vector_bytes=8, num_groups=4, producers=0, split_setup=True, finest_evict_first=True,
+                    gather_batch=4)
 # Tiles a segment's start counts for in one round of single CTAs at up to 16 samples a query (the P = 4
 # encoders; KernelConfig.segment_cost, choose_launch has the measurements).
 SEGMENT_COST = 4
@@ -283,6 +290,8 @@ def launch_variants(cfg) -> list:
             one_round = dict(coarse_evict_last=True)
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
+            if _half_vectors_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
+                out.append(dataclasses.replace(cfg, **{**single, **one_round, **SHORT_RANGES, "line_prefetch": False}))
             few_levels = batch(False, False, True)
             if few_levels > 1:  # ... and two samples' loads at once at two or three levels
                 one_round["gather_batch"] = few_levels
@@ -651,6 +660,32 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             window = ONE_LEVEL_WINDOW_L2_FRACTION if cfg.num_levels == 1 else SINGLE_CTA_WINDOW_L2_FRACTION
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window,
                                            align)
+    short = (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
+             and given_window is None and _half_vectors_measured(cfg, permuted)
+             and N * cfg.num_heads * -(-Lq // cfg.queries_per_tile) <= SHORT_RANGE_TILES * grid)
+    if short:
+        # ... and over short ranges, SHORT_RANGES in one round. H100, session 30, tune.py, two runs in opposite
+        # orders, µs, fp16 value around random reference points, the single-CTA launch -> SHORT_RANGES:
+        # RT-DETR's levels (80x80-20x20) N=1 Lq=300 16.6 / 16.4 -> 10.6 / 10.5, N=2 18.1 / 17.8 -> 11.7 / 11.4,
+        # N=4 20.4 / 19.4 -> 15.7 / 15.2, N=2 Lq=900 18.8 / 18.0 -> 16.6 / 15.6, N=4 Lq=900 28.1 / 27.6 -> 26.0 /
+        # 24.9; Deformable DETR's levels N=1 Lq=300 16.4 / 16.7 -> 12.5 / 11.6, N=2 18.4 / 17.5 -> 13.1 / 12.7,
+        # N=4 23.1 / 23.6 -> 18.8 / 19.2, N=1 Lq=900 18.2 / 17.4 -> 13.5 / 13.1, N=2 Lq=900 22.8 / 22.5 -> 19.3 /
+        # 19.1, uniform N=2 Lq=300 18.3 / 18.6 -> 13.2 / 13.3. Each part counts: seven groups with one producer
+        # and the setup unsplit (the single-CTA launch's) took 12.7-16.4 on N=1-2 Lq=300, the setup unsplit at four
+        # groups 13.1-16.4, two samples at once 11.7-14.0, and the decoders' knobs in 16-byte vectors at seven
+        # groups 17.5-20.2 (one run).
+        knobs = {k: v for k, v in SHORT_RANGES.items() if k not in fixed}
+        if fixed & {"num_groups", "producers", "split_setup"}:
+            for k in ("num_groups", "producers", "split_setup"):
+                knobs.pop(k, None)
+        trial = dataclasses.replace(cfg, **{**changes, **knobs})
+        # One round: with four groups the window would cut DETR's levels at N=4 Lq=900 into two (37.5 / 39.4
+        # against 34.6 / 34.2 us in one round at seven groups).
+        trial_grid, trial_schedule = grid_and_schedule(trial, N, Lq, S, sms, l2_bytes, 0.0)
+        short = not trial_schedule.whole
+        if short:
+            changes.update(knobs)
+            grid, schedule = trial_grid, trial_schedule
     if (schedule.whole and cfg.cluster_size > 1 and "cluster_size" not in changes and "cluster_size" not in fixed
             and _one_segment_per_cta(cfg, N, Lq, S, sms, l2_bytes, window, grid, schedule)):
         # More segments than pairs, but no more than CTAs (decoder-b16: 128 segments, 66 pairs, 132 CTAs):
@@ -695,7 +730,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -> 117.9 / 118.2) and pairs over four segments each (N=32 Lq=300 103.5 -> 119.2, every level
         # prefetched in that run); prefetching before the staging's copies lost (detr-decoder 60.4 / 59.7).
         changes["prefetch_levels"] = True
-    if (changes.get("cluster_size") == 1 and not schedule.whole
+    if (changes.get("cluster_size") == 1 and not schedule.whole and not short
             and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed):
         # Single CTAs over long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5%
         # (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
@@ -745,7 +780,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         changes["early_inputs"] = True
     one_round = changes.get("cluster_size", cfg.cluster_size) == 1 and schedule.rounds == 1
     batch = _launch_gather_batch(cfg, schedule.whole, permuted, one_round)
-    if batch > 1 and "gather_batch" not in fixed:
+    if batch > 1 and "gather_batch" not in fixed and "gather_batch" not in changes:
         changes["gather_batch"] = batch
     cost = changes.get("segment_cost", cfg.segment_cost)
     if cost and not _segment_cost_fits(N, Lq, cfg, cost):
