@@ -63,6 +63,8 @@ MODEL_PRESETS = {
     # RT-DETR's decoder at 640x640: 300 queries around reference points.
     "rtdetr-decoder": dict(N=16, Lq=300, levels=RTDETR_LEVELS, P=4, locations="ref"),
     "rtdetr-decoder-b4": dict(N=4, Lq=300, levels=RTDETR_LEVELS, P=4, locations="ref"),
+    # Deformable DETR's decoder at inference on one image: 300 object queries (two-stage) around reference points.
+    "detr-decoder-b1": dict(N=1, Lq=300, levels=DETR_LEVELS, P=4, locations="ref"),
 }
 ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute")
 # cute's bounds: fp32 arithmetic, and packed half arithmetic for the corner sums of fp16 / bf16 value.
