@@ -354,6 +354,21 @@ def cmd_smoke(args):
         err = ((out.double() - ref).norm() / ref.norm()).item()
         worst = max(worst, err)
         print(f"smoke D={D} {dtype}: rel err {err:.2e}")
+    # A decoder on one image (Deformable DETR's levels, 300 queries): the short-range launch (interface.SHORT_RANGES).
+    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
+    shapes = torch.tensor(levels, device="cuda")
+    starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
+    S = int((shapes[:, 0] * shapes[:, 1]).sum())
+    value = torch.randn(1, S, 8, 32, device="cuda").half()
+    loc = torch.rand(1, 300, 8, 4, 4, 2, device="cuda")
+    attn = torch.rand(1, 300, 8, 4, 4, device="cuda")
+    cfg = interface.launched_config(interface.config_for(value, loc, attn), 1, 300, S, {})
+    assert cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.cluster_size == 1, cfg
+    out = interface.msda_forward(value, shapes, starts, loc, attn)
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    worst = max(worst, err)
+    print(f"smoke decoder N=1 Lq=300 (short ranges): rel err {err:.2e}")
     return 0 if worst < 1e-3 else 1
 
 
