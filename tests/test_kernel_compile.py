@@ -385,6 +385,30 @@ def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, leve
     assert {k: changes.get(k) for k in interface.SHORT_RANGES} != interface.SHORT_RANGES, changes
 
 
+@pytest.mark.parametrize("value,levels,N,Lq,unstaged", [
+    ("float16", [(200, 200)], 2, 40000, True),  # a BEV grid: one level, too large to stage
+    ("bfloat16", [(150, 150)], 2, 22500, True),
+    ("float16", [(200, 200)], 1, 300, True),  # ... and a one-level decoder (short ranges)
+    ("float16", [(32, 32)], 2, 1024, False),  # one level that fits the stage
+    ("float16", [(128, 256), (64, 128), (32, 64)], 1, 43008, False),  # several levels: the host cannot tell
+    ("float32", [(200, 200)], 2, 40000, False),  # fp32 value: not measured
+])
+def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, levels, N, Lq, unstaged):
+    """Single-CTA launches of one level larger than the stage drop the staging buffer (stage_bytes=0: L1 keeps the
+    shared memory), with the single-CTA groups; a level that fits, several levels, fp32 value or a caller's stage
+    keep it."""
+    S = sum(h * w for h, w in levels)
+    cfg = tiled(value, "float32", "float32", 8, len(levels), 4, 32)
+    changes, _, _ = launch_of(cfg, N, Lq, S)
+    assert changes["cluster_size"] == 1
+    assert (changes.get("stage_bytes") == 0) == unstaged, changes
+    if unstaged:
+        assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+        assert "stage_bytes" not in launch_of(cfg, N, Lq, S, fixed={"stage_bytes"})[0]
+        if Lq == S:
+            assert changes["num_groups"] == 7
+
+
 @pytest.mark.parametrize("levels,N,batch", [
     ([(128, 128), (64, 64), (32, 32)], 2, 2),  # Mask2Former's pixel decoder at 1024x1024: two samples at once
     ([(100, 167), (50, 84), (25, 42)], 2, 2),

@@ -385,6 +385,16 @@ def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=1.0)))
 
 
+def test_one_level_too_large_to_stage_runs_without_a_staging_buffer(gen):
+    """A BEV-like launch (one 200x200 level, N=2, a query a pixel) runs without a staging buffer: every image within
+    the bound of float64, outputs poisoned, as with the 96 KB stage the caller may ask for."""
+    levels = [(200, 200)]
+    S = pixels(levels)
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
+    assert launched_config(value, loc, attn, None, {}, 2, S, S).stage_bytes == 0
+    within_reference((value, shapes, starts, loc, attn), ({}, dict(stage_bytes=96 * 1024)))
+
+
 @pytest.mark.parametrize("levels,batch,queries", [(DETR_LEVELS, 1, 300), ([(80, 80), (40, 40), (20, 20)], 4, 300),
                                                    ([(32, 32), (16, 16), (8, 8)], 1, None)])
 def test_short_ranges_take_the_small_decoders_launch(gen, levels, batch, queries):

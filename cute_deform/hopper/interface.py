@@ -36,7 +36,7 @@ except Exception as exc:  # the package works without the DSL, through the refer
 from .. import native
 from .._cache import cache_dir
 from . import tile_scheduler
-from .config import TARGET_ARCH, KernelConfig, tiled_kernel_fits
+from .config import STAGE_BOX_PIXELS, TARGET_ARCH, KernelConfig, round_up, tiled_kernel_fits
 from .generic import GenericConfig
 from .order import ORDER_CELLS, ORDER_MAX_QUERIES, OrderConfig, order_grid
 
@@ -290,13 +290,18 @@ def launch_variants(cfg) -> list:
             one_round = dict(coarse_evict_last=True)
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
+            first = len(out)
             if _half_vectors_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
                 out.append(dataclasses.replace(cfg, **{**single, **one_round, **SHORT_RANGES, "line_prefetch": False}))
             few_levels = batch(False, False, True)
             if few_levels > 1:  # ... and two samples' loads at once at two or three levels
                 one_round["gather_batch"] = few_levels
             out.append(dataclasses.replace(cfg, **one_round, **single))
-        out.append(dataclasses.replace(cfg, **single))
+            out.append(dataclasses.replace(cfg, **single))
+            if cfg.num_levels == 1:  # ... and a level too large to stage, no staging buffer
+                out += [dataclasses.replace(v, stage_bytes=0) for v in out[first:]]
+        else:
+            out.append(dataclasses.replace(cfg, **single))
     if not cfg.permuted:
         table = _table_knobs(cfg)
         if cfg.half_sums:  # a caller's half sums stay
@@ -656,6 +661,16 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
+        if (cfg.num_levels == 1 and _hints_measured(cfg, permuted) and "stage_bytes" not in fixed
+                and round_up(S, STAGE_BOX_PIXELS) > dataclasses.replace(cfg, **changes).stage_pixels):
+            # One level too large to stage (a BEV grid): no staging buffer, so the SM's carveout leaves L1 about
+            # 200 KB instead of 60 KB for the gathers. H100, session 30, tune.py, two runs in opposite orders, µs,
+            # 96 KB -> none: 200x200 N=1 50.6 / 51.1 -> 49.0 / 48.9, N=2 93.5 / 93.7 -> 89.9 / 89.5, N=4 176.6 /
+            # 176.0 -> 168.5 / 167.9, N=2 with Deformable DETR's initial offsets 91.7 / 91.9 -> 88.5 / 88.4,
+            # 150x150 N=2 59.6 / 59.1 -> 57.9 / 57.2, 100x100 N=4 57.9 / 57.7 -> 56.8 / 56.6. (Cityscapes' three
+            # levels, none staged, gained as much, 129.5 / 128.9 -> 124.7 / 125.1; with several levels the host
+            # cannot tell whether one fits, and where one does, less stage loses: Mask2Former's 112.1 -> 118.0.)
+            changes["stage_bytes"] = 0
         if given_window is None and cfg.packed_math and not cfg.fused:
             window = ONE_LEVEL_WINDOW_L2_FRACTION if cfg.num_levels == 1 else SINGLE_CTA_WINDOW_L2_FRACTION
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window,
