@@ -370,11 +370,20 @@ def test_short_ranges_take_the_small_decoders_knobs(levels, N, Lq):
     assert "num_groups" not in fixed and fixed["vector_bytes"] == 8 and "split_setup" not in fixed
 
 
+@pytest.mark.parametrize("levels,N", [(DETR, 1), (DETR, 4), (RTDETR, 4)])
+def test_short_ranges_take_the_small_decoders_knobs_with_fp32_value(levels, N):
+    """fp32 value (128-byte rows, 32 channels) takes SHORT_RANGES too, without the cache-hint rules of fp16/bf16."""
+    S = sum(h * w for h, w in levels)
+    cfg = tiled("float32", "float32", "float32", 8, len(levels), 4, 32)
+    changes, _, schedule = launch_of(cfg, N, 300, S)
+    assert changes == dict(cluster_size=1, **interface.SHORT_RANGES) and schedule.rounds == 1
+    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+
+
 @pytest.mark.parametrize("value,D,fused,levels,N,Lq", [
     ("float16", 32, False, DETR, 2, 22223),  # an encoder: long ranges
     ("float16", 32, False, DETR, 8, 300),  # whole segments (CTA pairs)
-    ("float32", 32, False, DETR, 1, 300),  # fp32 value
-    ("float16", 64, False, DETR, 1, 300),  # 128-byte head rows
+    ("float16", 64, False, DETR, 1, 300),  # 128-byte head rows of fp16 value (64 channels)
     ("float16", 32, True, DETR, 1, 300),  # the fused kernel
 ])
 def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, levels, N, Lq):
@@ -385,20 +394,22 @@ def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, leve
     assert {k: changes.get(k) for k in interface.SHORT_RANGES} != interface.SHORT_RANGES, changes
 
 
-@pytest.mark.parametrize("value,levels,N,Lq,unstaged", [
-    ("float16", [(200, 200)], 2, 40000, True),  # a BEV grid: one level, too large to stage
-    ("bfloat16", [(150, 150)], 2, 22500, True),
-    ("float16", [(200, 200)], 1, 300, True),  # ... and a one-level decoder (short ranges)
-    ("float16", [(32, 32)], 2, 1024, False),  # one level that fits the stage
-    ("float16", [(128, 256), (64, 128), (32, 64)], 1, 43008, False),  # several levels: the host cannot tell
-    ("float32", [(200, 200)], 2, 40000, False),  # fp32 value: not measured
+@pytest.mark.parametrize("value,fused,levels,N,Lq,unstaged", [
+    ("float16", False, [(200, 200)], 2, 40000, True),  # a BEV grid: one level, too large to stage
+    ("bfloat16", False, [(150, 150)], 2, 22500, True),
+    ("float32", False, [(200, 200)], 2, 40000, True),
+    ("float16", False, [(200, 200)], 1, 300, True),  # ... and a one-level decoder (short ranges)
+    ("float16", False, [(32, 32)], 2, 1024, False),  # one level that fits the stage
+    ("float16", False, [(128, 256), (64, 128), (32, 64)], 1, 43008, False),  # several levels: the host cannot tell
+    ("float16", True, [(200, 200)], 2, 40000, False),  # the fused kernel: not measured
 ])
-def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, levels, N, Lq, unstaged):
+def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, fused, levels, N, Lq, unstaged):
     """Single-CTA launches of one level larger than the stage drop the staging buffer (stage_bytes=0: L1 keeps the
-    shared memory), with the single-CTA groups; a level that fits, several levels, fp32 value or a caller's stage
-    keep it."""
+    shared memory), with the single-CTA groups; a level that fits, several levels, the fused kernel or a caller's
+    stage keep it."""
     S = sum(h * w for h, w in levels)
-    cfg = tiled(value, "float32", "float32", 8, len(levels), 4, 32)
+    dt = "float16" if fused else "float32"
+    cfg = tiled(value, dt, dt, 8, len(levels), 4, 32, fused=fused)
     changes, _, _ = launch_of(cfg, N, Lq, S)
     assert changes["cluster_size"] == 1
     assert (changes.get("stage_bytes") == 0) == unstaged, changes
@@ -406,7 +417,7 @@ def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, levels, N, 
         assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
         assert "stage_bytes" not in launch_of(cfg, N, Lq, S, fixed={"stage_bytes"})[0]
         if Lq == S:
-            assert changes["num_groups"] == 7
+            assert changes["num_groups"] == (6 if value == "float32" else 7)
 
 
 @pytest.mark.parametrize("levels,N,batch", [

@@ -313,24 +313,24 @@ def test_order_table_of_a_large_image_falls_back_to_the_sort(gen):
 DETR_LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
 
 
-def decoder_inputs(gen, levels, batch, queries):
-    """A DETR decoder's inputs on the GPU (8 heads, D = 32, 4 points, locations uniform on [0, 1]): fp16 value,
-    fp32 locations and weights."""
+def decoder_inputs(gen, levels, batch, queries, value_dtype=torch.float16):
+    """A DETR decoder's inputs on the GPU (8 heads, D = 32, 4 points, locations uniform on [0, 1]): fp16 value (or
+    value_dtype), fp32 locations and weights."""
     value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=batch, queries=queries, heads=8, head_dim=32,
                                                    points=4, dtype=torch.float32, low=0.0, high=1.0)
-    return value.half().cuda(), shapes.cuda(), starts.cuda(), loc.cuda(), attn.cuda()
+    return value.to(value_dtype).cuda(), shapes.cuda(), starts.cuda(), loc.cuda(), attn.cuda()
 
 
 def within_reference(inputs, tunings):
-    """The op's output under each tuning (outputs poisoned first), each finite and within the fp16 bound of the
-    float64 reference."""
+    """The op's output under each tuning (outputs poisoned first), each finite and within the bound of value's dtype
+    of the float64 reference."""
     value, shapes, starts, loc, attn = inputs
     ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
     outs = []
     for tuning in tunings:
         poison_allocator(value.numel() * 4)
         out = interface.msda_forward(value, shapes, starts, loc, attn, **tuning)
-        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[torch.float16], tuning
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[value.dtype], tuning
         outs.append(out)
     return outs
 
@@ -385,25 +385,27 @@ def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=1.0)))
 
 
-def test_one_level_too_large_to_stage_runs_without_a_staging_buffer(gen):
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.float32])
+def test_one_level_too_large_to_stage_runs_without_a_staging_buffer(gen, value_dtype):
     """A BEV-like launch (one 200x200 level, N=2, a query a pixel) runs without a staging buffer: every image within
     the bound of float64, outputs poisoned, as with the 96 KB stage the caller may ask for."""
     levels = [(200, 200)]
     S = pixels(levels)
-    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S, value_dtype=value_dtype)
     assert launched_config(value, loc, attn, None, {}, 2, S, S).stage_bytes == 0
     within_reference((value, shapes, starts, loc, attn), ({}, dict(stage_bytes=96 * 1024)))
 
 
-@pytest.mark.parametrize("levels,batch,queries", [(DETR_LEVELS, 1, 300), ([(80, 80), (40, 40), (20, 20)], 4, 300),
-                                                   ([(32, 32), (16, 16), (8, 8)], 1, None)])
-def test_short_ranges_take_the_small_decoders_launch(gen, levels, batch, queries):
+@pytest.mark.parametrize("levels,batch,queries,value_dtype", [
+    (DETR_LEVELS, 1, 300, torch.float16), ([(80, 80), (40, 40), (20, 20)], 4, 300, torch.float16),
+    ([(32, 32), (16, 16), (8, 8)], 1, None, torch.float16), (DETR_LEVELS, 4, 300, torch.float32)])
+def test_short_ranges_take_the_small_decoders_launch(gen, levels, batch, queries, value_dtype):
     """Small decoders (Deformable DETR's 300 queries at N=1, RT-DETR's levels at N=4) and a small encoder run single
     CTAs over short ranges with 8-byte vectors, four groups and the setup split (interface.SHORT_RANGES): every image
     within the bound of float64, outputs poisoned, as with the single-CTA launch's knobs (a caller's window)."""
     S = pixels(levels)
     queries = queries or S
-    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=batch, queries=queries)
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=batch, queries=queries, value_dtype=value_dtype)
     cfg = launched_config(value, loc, attn, None, {}, batch, queries, S)
     assert cfg.cluster_size == 1 and cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.splits_setup
     other = launched_config(value, loc, attn, None, dict(window_fraction=0.5), batch, queries, S)

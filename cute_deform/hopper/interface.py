@@ -283,6 +283,7 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg))
+        first = len(out)
         if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
             # ... and over one round, the coarser L1 levels evict-last in L2 (up to 16 samples a query, with
@@ -290,18 +291,17 @@ def launch_variants(cfg) -> list:
             one_round = dict(coarse_evict_last=True)
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
-            first = len(out)
-            if _half_vectors_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
+            if _short_ranges_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
                 out.append(dataclasses.replace(cfg, **{**single, **one_round, **SHORT_RANGES, "line_prefetch": False}))
             few_levels = batch(False, False, True)
             if few_levels > 1:  # ... and two samples' loads at once at two or three levels
                 one_round["gather_batch"] = few_levels
             out.append(dataclasses.replace(cfg, **one_round, **single))
-            out.append(dataclasses.replace(cfg, **single))
-            if cfg.num_levels == 1:  # ... and a level too large to stage, no staging buffer
-                out += [dataclasses.replace(v, stage_bytes=0) for v in out[first:]]
-        else:
-            out.append(dataclasses.replace(cfg, **single))
+        elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value: SHORT_RANGES, without the cache-hint rules
+            out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))
+        out.append(dataclasses.replace(cfg, **single))
+        if cfg.num_levels == 1 and _unstaged_level_measured(cfg, cfg.permuted):  # ... and no staging buffer
+            out += [dataclasses.replace(v, stage_bytes=0) for v in out[first:]]
     if not cfg.permuted:
         table = _table_knobs(cfg)
         if cfg.half_sums:  # a caller's half sums stay
@@ -361,6 +361,20 @@ def _half_vectors_measured(cfg, permuted: bool) -> bool:
     at most 16 samples a query."""
     return (_hints_measured(cfg, permuted) and cfg.vector_bytes == 16 and cfg.head_dim * cfg.itemsize == 64
             and cfg.level_points <= 16)
+
+
+def _short_ranges_measured(cfg, permuted: bool) -> bool:
+    """The kernels SHORT_RANGES was measured on (choose_launch): unfused, L1 gathers, without the order table,
+    16-byte vectors, up to 16 samples a query, 32 channels a head (64-byte rows of fp16/bf16 value, 128-byte rows
+    of fp32)."""
+    return (not cfg.fused and cfg.fine_gather == "ldg" and not permuted and cfg.vector_bytes == 16
+            and cfg.level_points <= 16 and cfg.head_dim == 32)
+
+
+def _unstaged_level_measured(cfg, permuted: bool) -> bool:
+    """The kernels a stage-less launch of one level too large to stage was measured on (choose_launch): unfused,
+    L1 gathers, without the order table, 32 channels a head, any value dtype."""
+    return not cfg.fused and cfg.fine_gather == "ldg" and not permuted and cfg.head_dim == 32
 
 
 def _launch_gather_batch(cfg, whole: bool, permuted: bool, one_round: bool = False) -> int:
@@ -661,7 +675,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
-        if (cfg.num_levels == 1 and _hints_measured(cfg, permuted) and "stage_bytes" not in fixed
+        if (cfg.num_levels == 1 and _unstaged_level_measured(cfg, permuted) and "stage_bytes" not in fixed
                 and round_up(S, STAGE_BOX_PIXELS) > dataclasses.replace(cfg, **changes).stage_pixels):
             # One level too large to stage (a BEV grid): no staging buffer, so the SM's carveout leaves L1 about
             # 200 KB instead of 60 KB for the gathers. H100, session 30, tune.py, two runs in opposite orders, µs,
@@ -670,13 +684,15 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # 150x150 N=2 59.6 / 59.1 -> 57.9 / 57.2, 100x100 N=4 57.9 / 57.7 -> 56.8 / 56.6. (Cityscapes' three
             # levels, none staged, gained as much, 129.5 / 128.9 -> 124.7 / 125.1; with several levels the host
             # cannot tell whether one fits, and where one does, less stage loses: Mask2Former's 112.1 -> 118.0.)
+            # fp32 value (six groups), calls 18-19, new / old / new / old: 200x200 N=2 202.9 / 239.9 / 203.2 / 240.3,
+            # N=1 107.9 / 129.8 / 108.8 / 130.1.
             changes["stage_bytes"] = 0
         if given_window is None and cfg.packed_math and not cfg.fused:
             window = ONE_LEVEL_WINDOW_L2_FRACTION if cfg.num_levels == 1 else SINGLE_CTA_WINDOW_L2_FRACTION
         grid, schedule = grid_and_schedule(dataclasses.replace(cfg, **changes), N, Lq, S, sms, l2_bytes, window,
                                            align)
     short = (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
-             and given_window is None and _half_vectors_measured(cfg, permuted)
+             and given_window is None and _short_ranges_measured(cfg, permuted)
              and N * cfg.num_heads * -(-Lq // cfg.queries_per_tile) <= SHORT_RANGE_TILES * grid)
     if short:
         # ... and over short ranges, SHORT_RANGES in one round. H100, session 30, tune.py, two runs in opposite
@@ -688,7 +704,9 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # 19.1, uniform N=2 Lq=300 18.3 / 18.6 -> 13.2 / 13.3. Each part counts: seven groups with one producer
         # and the setup unsplit (the single-CTA launch's) took 12.7-16.4 on N=1-2 Lq=300, the setup unsplit at four
         # groups 13.1-16.4, two samples at once 11.7-14.0, and the decoders' knobs in 16-byte vectors at seven
-        # groups 17.5-20.2 (one run).
+        # groups 17.5-20.2 (one run). fp32 value (128-byte rows; no cache-hint rules), calls 18-19, new / old / new /
+        # old: RT-DETR N=4 25.3 / 32.8 / 25.3 / 33.1, DETR N=4 32.2 / 35.9 / 31.9 / 36.2, DETR N=1 18.4 / 18.5 /
+        # 17.6 / 17.9.
         knobs = {k: v for k, v in SHORT_RANGES.items() if k not in fixed}
         if fixed & {"num_groups", "producers", "split_setup"}:
             for k in ("num_groups", "producers", "split_setup"):
