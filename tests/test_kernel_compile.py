@@ -303,8 +303,26 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
     assert interface.launch_variants(odd) == [
-        odd, dataclasses.replace(odd, l1_first=True, producers=1, gather_batch=4),
+        odd, dataclasses.replace(odd, l1_first=True, gather_batch=4),  # no producer warp feeds them: producers stays
         dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
+
+
+def test_precompile_covers_every_launch_of_the_presets_and_model_shapes(monkeypatch):
+    """Every configuration a launch of compare.py's presets and model shapes picks (fp32, fp16 and bf16 value; fp32
+    locations and locations in value's dtype) is one of launch_variants' of its base configuration, so
+    scripts/precompile.py leaves no kernel to compile at a first call."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
+    import compare
+    import tune
+
+    shapes = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for loc_dt in (torch.float32, dt):
+            for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
+                launched = interface.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
+                assert launched in interface.launch_variants(cfg), (shape.name, dt, loc_dt)
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)

@@ -267,8 +267,10 @@ def launch_variants(cfg) -> list:
         return _launch_gather_batch(cfg, whole, permuted, one_round) if cfg.gather_batch == 1 else cfg.gather_batch
 
     out = [cfg]
+    # One producer warp for every group where the inputs come by TMA (choose_launch's shared_producer).
+    shared_producer = cfg.prefetch_inputs and not cfg.permuted
     if not cfg.l1_first:
-        whole = dict(l1_first=True, producers=1, gather_batch=batch(True, cfg.permuted))
+        whole = dict(l1_first=True, gather_batch=batch(True, cfg.permuted), **({"producers": 1} if shared_producer else {}))
         if _hints_measured(cfg, cfg.permuted):  # choose_launch's rules for whole segments
             if cfg.prefetch_inputs:
                 whole["early_inputs"] = True
@@ -282,7 +284,8 @@ def launch_variants(cfg) -> list:
             single = dataclasses.replace(cfg, cluster_size=1, **whole)
             out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
     if cfg.cluster_size > 1:
-        single = dict(cluster_size=1, **_single_cta(cfg))
+        single = dict(cluster_size=1, **(_single_cta(cfg) if shared_producer
+                                         else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)))
         first = len(out)
         if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
@@ -299,6 +302,8 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value: SHORT_RANGES, without the cache-hint rules
             out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))
+        if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
+            out.append(dataclasses.replace(cfg, **single, l1_first=True))
         out.append(dataclasses.replace(cfg, **single))
         if cfg.num_levels == 1 and _unstaged_level_measured(cfg, cfg.permuted):  # ... and no staging buffer
             out += [dataclasses.replace(v, stage_bytes=0) for v in out[first:]]
