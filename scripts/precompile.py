@@ -11,6 +11,7 @@ scripts/gpu_all.sh unpacks .kcache.tar.xz into its cache when the archive travel
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tarfile
@@ -60,6 +61,21 @@ def configurations() -> list:
             configs += interface.launch_variants(_config(dt, torch.float32, 8, D, 4, 4))
     for ref_dims in (2, 4):
         configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, 4, 4, ref_dims=ref_dims))
+    # tests/test_fused_gpu.py: every value and input dtype, points and boxes, on its four small levels (N=2, Lq=300).
+    import test_fused_gpu as fused_tests
+
+    S = sum(h * w for h, w in fused_tests.LEVELS)
+    floats = fused_tests.FLOATS
+    for dt, in_dt, ref_dims in itertools.product(floats, floats, (2, 4)):
+        logit_dt = torch.float32 if in_dt != torch.float32 else torch.bfloat16
+        value = torch.empty(1, 1, 8, 32, dtype=dt)
+        offsets, logits = torch.empty(1, 1, 8, 4, 4, 2, dtype=in_dt), torch.empty(1, 1, 8, 4, 4, dtype=logit_dt)
+        cfg = interface.config_for(value, offsets, logits, torch.empty(1, 1, 4, ref_dims, dtype=in_dt))
+        configs.append(interface.launched_config(cfg, 2, 300, S, {}))
+    # ... and its one-level and three-level cases (fp16 value and inputs).
+    for levels in (1, 3):
+        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=4))
+        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=2))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):

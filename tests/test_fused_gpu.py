@@ -143,6 +143,26 @@ def test_sm90_runs_the_fused_kernel(gen, monkeypatch):
     assert rel_err(out, fused_reference(*args, out_dtype=torch.float64)) < TOLERANCE[torch.float16]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper_fused_available(),
+                    reason="cute_deform.hopper.interface (the fused Hopper kernel) is not available here")
+@pytest.mark.parametrize("levels,batch,queries", [([(200, 200)], 2, 40000), ([(80, 80), (40, 40), (20, 20)], 4, 300)])
+def test_fused_kernel_under_session_30_launch_rules(gen, levels, batch, queries):
+    """The fused kernel on a BEV-like level too large to stage (no staging buffer) and on RT-DETR's decoder at N=4
+    (short ranges: 8-byte vectors, four groups, the setup split): within the bound of float64, outputs poisoned, as
+    with the launch before those rules (a 96 KB stage; a caller's window)."""
+    from cute_deform.hopper import interface
+
+    args = on_cuda(make_fused_inputs(gen, levels, batch=batch, queries=queries, heads=8, head_dim=32, points=4,
+                                     ref_dim=4 if queries == 300 else 2, dtype=torch.float16,
+                                     ref_dtype=torch.float16, offset_dtype=torch.float16, logit_dtype=torch.float16))
+    ref = fused_reference(*args, out_dtype=torch.float64)
+    before = dict(stage_bytes=96 * 1024) if len(levels) == 1 else dict(window_fraction=0.5)
+    for tuning in ({}, before):
+        poison_allocator(batch * queries * 8 * 32 * 4)
+        out = interface.msda_forward_fused(*args, **tuning)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < TOLERANCE[torch.float16], tuning
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_module_on_the_gpu_equals_the_unfused_formula(gen, dtype):
     """MSDeformAttn (fused op) against the same layer computed unfused in float64 on the GPU."""

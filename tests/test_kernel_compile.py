@@ -398,11 +398,24 @@ def test_short_ranges_take_the_small_decoders_knobs_with_fp32_value(levels, N):
     assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
 
 
+@pytest.mark.parametrize("value", ["float16", "float32"])
+@pytest.mark.parametrize("levels,N", [(DETR, 1), (DETR, 2), (RTDETR, 4)])
+def test_short_ranges_take_the_small_decoders_knobs_in_the_fused_kernel(value, levels, N):
+    """The fused kernel (the layer's) takes SHORT_RANGES too, with boxes or points as reference."""
+    S = sum(h * w for h, w in levels)
+    for ref_dims in (2, 4):
+        cfg = tiled(value, value, value, 8, len(levels), 4, 32, fused=True, ref_dtype=value, ref_dims=ref_dims)
+        changes, _, schedule = launch_of(cfg, N, 300, S)
+        assert {k: changes.get(k) for k in interface.SHORT_RANGES} == interface.SHORT_RANGES, changes
+        assert schedule.rounds == 1 and changes["cluster_size"] == 1
+        assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+
+
 @pytest.mark.parametrize("value,D,fused,levels,N,Lq", [
     ("float16", 32, False, DETR, 2, 22223),  # an encoder: long ranges
     ("float16", 32, False, DETR, 8, 300),  # whole segments (CTA pairs)
     ("float16", 64, False, DETR, 1, 300),  # 128-byte head rows of fp16 value (64 channels)
-    ("float16", 32, True, DETR, 1, 300),  # the fused kernel
+    ("float16", 32, False, DETR, 16, 300),  # whole segments (single CTAs)
 ])
 def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, levels, N, Lq):
     S = sum(h * w for h, w in levels)
@@ -419,12 +432,13 @@ def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, leve
     ("float16", False, [(200, 200)], 1, 300, True),  # ... and a one-level decoder (short ranges)
     ("float16", False, [(32, 32)], 2, 1024, False),  # one level that fits the stage
     ("float16", False, [(128, 256), (64, 128), (32, 64)], 1, 43008, False),  # several levels: the host cannot tell
-    ("float16", True, [(200, 200)], 2, 40000, False),  # the fused kernel: not measured
+    ("float16", True, [(200, 200)], 2, 40000, True),  # the fused kernel too
+    ("float16", True, [(32, 32)], 2, 1024, False),
 ])
 def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, fused, levels, N, Lq, unstaged):
     """Single-CTA launches of one level larger than the stage drop the staging buffer (stage_bytes=0: L1 keeps the
-    shared memory), with the single-CTA groups; a level that fits, several levels, the fused kernel or a caller's
-    stage keep it."""
+    shared memory), with the single-CTA groups, fused or not; a level that fits, several levels or a caller's stage
+    keep it."""
     S = sum(h * w for h, w in levels)
     dt = "float16" if fused else "float32"
     cfg = tiled(value, dt, dt, 8, len(levels), 4, 32, fused=fused)
@@ -435,7 +449,7 @@ def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, fused, leve
         assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
         assert "stage_bytes" not in launch_of(cfg, N, Lq, S, fixed={"stage_bytes"})[0]
         if Lq == S:
-            assert changes["num_groups"] == (6 if value == "float32" else 7)
+            assert changes["num_groups"] == (6 if value == "float32" or fused else 7)
 
 
 @pytest.mark.parametrize("levels,N,batch", [

@@ -369,17 +369,17 @@ def _half_vectors_measured(cfg, permuted: bool) -> bool:
 
 
 def _short_ranges_measured(cfg, permuted: bool) -> bool:
-    """The kernels SHORT_RANGES was measured on (choose_launch): unfused, L1 gathers, without the order table,
+    """The kernels SHORT_RANGES was measured on (choose_launch): fused or not, L1 gathers, without the order table,
     16-byte vectors, up to 16 samples a query, 32 channels a head (64-byte rows of fp16/bf16 value, 128-byte rows
     of fp32)."""
-    return (not cfg.fused and cfg.fine_gather == "ldg" and not permuted and cfg.vector_bytes == 16
-            and cfg.level_points <= 16 and cfg.head_dim == 32)
+    return (cfg.fine_gather == "ldg" and not permuted and cfg.vector_bytes == 16 and cfg.level_points <= 16
+            and cfg.head_dim == 32)
 
 
 def _unstaged_level_measured(cfg, permuted: bool) -> bool:
-    """The kernels a stage-less launch of one level too large to stage was measured on (choose_launch): unfused,
-    L1 gathers, without the order table, 32 channels a head, any value dtype."""
-    return not cfg.fused and cfg.fine_gather == "ldg" and not permuted and cfg.head_dim == 32
+    """The kernels a stage-less launch of one level too large to stage was measured on (choose_launch): fused or
+    not, L1 gathers, without the order table, 32 channels a head, any value dtype."""
+    return cfg.fine_gather == "ldg" and not permuted and cfg.head_dim == 32
 
 
 def _launch_gather_batch(cfg, whole: bool, permuted: bool, one_round: bool = False) -> int:
@@ -690,7 +690,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # levels, none staged, gained as much, 129.5 / 128.9 -> 124.7 / 125.1; with several levels the host
             # cannot tell whether one fits, and where one does, less stage loses: Mask2Former's 112.1 -> 118.0.)
             # fp32 value (six groups), calls 18-19, new / old / new / old: 200x200 N=2 202.9 / 239.9 / 203.2 / 240.3,
-            # N=1 107.9 / 129.8 / 108.8 / 130.1.
+            # N=1 107.9 / 129.8 / 108.8 / 130.1. The fused kernel (call 21): fp16 200x200 N=2 216.5-218.0 -> 196.4 /
+            # 195.9; fp32 tied (257.4-258.6 -> 257.2 / 257.7).
             changes["stage_bytes"] = 0
         if given_window is None and cfg.packed_math and not cfg.fused:
             window = ONE_LEVEL_WINDOW_L2_FRACTION if cfg.num_levels == 1 else SINGLE_CTA_WINDOW_L2_FRACTION
@@ -711,7 +712,9 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # groups 13.1-16.4, two samples at once 11.7-14.0, and the decoders' knobs in 16-byte vectors at seven
         # groups 17.5-20.2 (one run). fp32 value (128-byte rows; no cache-hint rules), calls 18-19, new / old / new /
         # old: RT-DETR N=4 25.3 / 32.8 / 25.3 / 33.1, DETR N=4 32.2 / 35.9 / 31.9 / 36.2, DETR N=1 18.4 / 18.5 /
-        # 17.6 / 17.9.
+        # 17.6 / 17.9. The fused kernel (the layer's; out/ script, call 21, two runs, µs, boxes as reference points):
+        # fp16 DETR N=1 18.8 / 18.1 / 18.2 / 18.9 -> 12.4 / 12.4, N=2 19.8-20.4 -> 18.1 / 18.2, RT-DETR N=4 26.0-26.7
+        # -> 17.2 / 17.9; fp32 DETR N=2 28.6-29.2 -> 21.4 / 21.4, RT-DETR N=4 28.0-28.2 -> 26.1 / 26.2, N=1 tied.
         knobs = {k: v for k, v in SHORT_RANGES.items() if k not in fixed}
         if fixed & {"num_groups", "producers", "split_setup"}:
             for k in ("num_groups", "producers", "split_setup"):
