@@ -101,7 +101,8 @@ SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
 # One round of single CTAs over short ranges (small decoders: a few images' object queries, each CTA taking a
 # few tiles of a segment and staging it for them) takes the decoders' knobs and four groups with a producer warp
 # each and the setup split: the chain of a query's samples is the time there, not the CTA's throughput
-# (choose_launch has the measurements). Short: up to this many 32-query tiles a CTA.
+# (choose_launch has the measurements). Short: up to this many tiles a CTA, in the tiles of 16-byte vectors (32
+# queries for fp16/bf16 value in 64-byte rows, 16 for fp32).
 SHORT_RANGE_TILES = 8
 SHORT_RANGES = dict(vector_bytes=8, num_groups=4, producers=0, split_setup=True, finest_evict_first=True,
                     gather_batch=4)
@@ -270,7 +271,9 @@ def launch_variants(cfg) -> list:
     # One producer warp for every group where the inputs come by TMA (choose_launch's shared_producer).
     shared_producer = cfg.prefetch_inputs and not cfg.permuted
     if not cfg.l1_first:
-        whole = dict(l1_first=True, gather_batch=batch(True, cfg.permuted), **({"producers": 1} if shared_producer else {}))
+        whole = dict(l1_first=True, gather_batch=batch(True, cfg.permuted))
+        if shared_producer:
+            whole["producers"] = 1
         if _hints_measured(cfg, cfg.permuted):  # choose_launch's rules for whole segments
             if cfg.prefetch_inputs:
                 whole["early_inputs"] = True
