@@ -104,6 +104,8 @@ SINGLE_CTA_GROUPS_OWN_PRODUCER = 6
 # (choose_launch has the measurements). Short: up to this many tiles a CTA, in the tiles of 16-byte vectors (32
 # queries for fp16/bf16 value in 64-byte rows, 16 for fp32).
 SHORT_RANGE_TILES = 8
+# The knobs that set a CTA's groups together (the launch rules change all three or none).
+GROUP_KNOBS = frozenset({"num_groups", "producers", "split_setup"})
 SHORT_RANGES = dict(vector_bytes=8, num_groups=4, producers=0, split_setup=True, finest_evict_first=True,
                     gather_batch=4)
 # Tiles a segment's start counts for in one round of single CTAs at up to 16 samples a query (the P = 4
@@ -268,11 +270,9 @@ def launch_variants(cfg) -> list:
         return _launch_gather_batch(cfg, whole, permuted, one_round) if cfg.gather_batch == 1 else cfg.gather_batch
 
     out = [cfg]
-    # One producer warp for every group where the inputs come by TMA (choose_launch's shared_producer).
-    shared_producer = cfg.prefetch_inputs and not cfg.permuted
     if not cfg.l1_first:
         whole = dict(l1_first=True, gather_batch=batch(True, cfg.permuted))
-        if shared_producer:
+        if _shared_producer(cfg, cfg.permuted):
             whole["producers"] = 1
         if _hints_measured(cfg, cfg.permuted):  # choose_launch's rules for whole segments
             if cfg.prefetch_inputs:
@@ -287,8 +287,7 @@ def launch_variants(cfg) -> list:
             single = dataclasses.replace(cfg, cluster_size=1, **whole)
             out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
     if cfg.cluster_size > 1:
-        single = dict(cluster_size=1, **(_single_cta(cfg) if shared_producer
-                                         else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)))
+        single = dict(cluster_size=1, **_single_cta(cfg, cfg.permuted))
         first = len(out)
         if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
@@ -635,8 +634,17 @@ def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, 
     return segments <= single_grid and single_schedule.whole and blocks <= pair_tiles
 
 
-def _single_cta(cfg) -> dict:
-    """The groups, producers and setup of single-CTA launches of cfg (with one producer warp)."""
+def _shared_producer(cfg, permuted: bool) -> bool:
+    """Whether one producer warp feeds every group's input ring: where TMA loads the inputs, without the order table
+    (whose per-row copies need a warp a group)."""
+    return cfg.prefetch_inputs and not permuted
+
+
+def _single_cta(cfg, permuted: bool) -> dict:
+    """The groups, producers and setup of single-CTA launches of cfg: with one producer warp for all groups where
+    it can (_shared_producer), SINGLE_CTA_GROUPS_OWN_PRODUCER groups elsewhere."""
+    if not _shared_producer(cfg, permuted):
+        return dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
     if cfg.fused or not cfg.packed_math:
         return SINGLE_CTA_SIX
     return SINGLE_CTA_FEW_SAMPLES if cfg.level_points <= 16 else SINGLE_CTA_MANY_SAMPLES
@@ -659,7 +667,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     # One producer warp can feed every group's input ring, leaving room for consumer warps; the order
     # table's per-row copies need a warp a group (one warp for all: 5987 against 5241 us on seed-b48, H100).
     permuted = changes.get("permuted", cfg.permuted)
-    shared_producer = cfg.prefetch_inputs and not permuted
+    shared_producer = _shared_producer(cfg, permuted)
     align = 0.0
     if permuted:
         if _table_rounds_measured(cfg) and given_window is None:
@@ -678,8 +686,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # everywhere (fp32 detr-encoder, three rounds: 204.7 against 239.6 us; detr-decoder, whole
         # segments: 97.1 against 120.5).
         changes["cluster_size"] = 1
-        if not fixed & {"num_groups", "producers", "split_setup"}:
-            more = _single_cta(cfg) if shared_producer else dict(num_groups=SINGLE_CTA_GROUPS_OWN_PRODUCER)
+        if not fixed & GROUP_KNOBS:
+            more = _single_cta(cfg, permuted)
             single = dataclasses.replace(cfg, cluster_size=1, **more)
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
@@ -718,10 +726,9 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # 17.6 / 17.9. The fused kernel (the layer's; out/ script, call 21, two runs, µs, boxes as reference points):
         # fp16 DETR N=1 18.8 / 18.1 / 18.2 / 18.9 -> 12.4 / 12.4, N=2 19.8-20.4 -> 18.1 / 18.2, RT-DETR N=4 26.0-26.7
         # -> 17.2 / 17.9; fp32 DETR N=2 28.6-29.2 -> 21.4 / 21.4, RT-DETR N=4 28.0-28.2 -> 26.1 / 26.2, N=1 tied.
-        knobs = {k: v for k, v in SHORT_RANGES.items() if k not in fixed}
-        if fixed & {"num_groups", "producers", "split_setup"}:
-            for k in ("num_groups", "producers", "split_setup"):
-                knobs.pop(k, None)
+        # Knobs the caller fixed stay; a fixed one of GROUP_KNOBS keeps the caller's three.
+        kept = fixed | GROUP_KNOBS if fixed & GROUP_KNOBS else fixed
+        knobs = {k: v for k, v in SHORT_RANGES.items() if k not in kept}
         trial = dataclasses.replace(cfg, **{**changes, **knobs})
         # One round: with four groups the window would cut DETR's levels at N=4 Lq=900 into two (37.5 / 39.4
         # against 34.6 / 34.2 us in one round at seven groups).
