@@ -338,35 +338,30 @@ def cmd_op_layer(args):
 def cmd_smoke(args):
     from cute_deform import ms_deform_attn_reference
 
-    torch.manual_seed(0)
-    levels = [(9, 13), (5, 6), (1, 3), (3, 1)]
-    shapes = torch.tensor(levels, device="cuda")
-    starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
-    S = int((shapes[:, 0] * shapes[:, 1]).sum())
-    worst = 0.0
-    for D, dtype in ((32, torch.float16), (30, torch.float32)):  # the tiled kernel, then the generic one
-        value = torch.randn(2, S, 2, D, device="cuda").to(dtype)
-        loc = torch.rand(2, 50, 2, 4, 4, 2, device="cuda") * 1.4 - 0.2
-        attn = torch.rand(2, 50, 2, 4, 4, device="cuda")
+    def run(levels, N, Lq, M, D, dtype, low, high):
+        """One launch on fresh inputs (locations uniform on [low, high]): its configuration and its relative
+        error against the float64 reference."""
+        shapes = torch.tensor(levels, device="cuda")
+        pixels = shapes[:, 0] * shapes[:, 1]
+        starts = torch.cat([pixels.new_zeros(1), pixels.cumsum(0)[:-1]])
+        value = torch.randn(N, int(pixels.sum()), M, D, device="cuda").to(dtype)
+        loc = torch.rand(N, Lq, M, len(levels), 4, 2, device="cuda") * (high - low) + low
+        attn = torch.rand(N, Lq, M, len(levels), 4, device="cuda")
+        cfg = interface.launched_config(interface.config_for(value, loc, attn), N, Lq, value.shape[1], {})
         out = interface.msda_forward(value, shapes, starts, loc, attn)
         torch.cuda.synchronize()
         ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-        err = ((out.double() - ref).norm() / ref.norm()).item()
+        return cfg, ((out.double() - ref).norm() / ref.norm()).item()
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for D, dtype in ((32, torch.float16), (30, torch.float32)):  # the tiled kernel, then the generic one
+        _, err = run([(9, 13), (5, 6), (1, 3), (3, 1)], 2, 50, 2, D, dtype, -0.2, 1.2)
         worst = max(worst, err)
         print(f"smoke D={D} {dtype}: rel err {err:.2e}")
     # A decoder on one image (Deformable DETR's levels, 300 queries): the short-range launch (interface.SHORT_RANGES).
-    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
-    shapes = torch.tensor(levels, device="cuda")
-    starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
-    S = int((shapes[:, 0] * shapes[:, 1]).sum())
-    value = torch.randn(1, S, 8, 32, device="cuda").half()
-    loc = torch.rand(1, 300, 8, 4, 4, 2, device="cuda")
-    attn = torch.rand(1, 300, 8, 4, 4, device="cuda")
-    cfg = interface.launched_config(interface.config_for(value, loc, attn), 1, 300, S, {})
+    cfg, err = run([(100, 167), (50, 84), (25, 42), (13, 21)], 1, 300, 8, 32, torch.float16, 0.0, 1.0)
     assert cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.cluster_size == 1, cfg
-    out = interface.msda_forward(value, shapes, starts, loc, attn)
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    err = ((out.double() - ref).norm() / ref.norm()).item()
     worst = max(worst, err)
     print(f"smoke decoder N=1 Lq=300 (short ranges): rel err {err:.2e}")
     return 0 if worst < 1e-3 else 1

@@ -67,15 +67,14 @@ def configurations() -> list:
     S = sum(h * w for h, w in fused_tests.LEVELS)
     floats = fused_tests.FLOATS
     for dt, in_dt, ref_dims in itertools.product(floats, floats, (2, 4)):
-        logit_dt = torch.float32 if in_dt != torch.float32 else torch.bfloat16
         value = torch.empty(1, 1, 8, 32, dtype=dt)
-        offsets, logits = torch.empty(1, 1, 8, 4, 4, 2, dtype=in_dt), torch.empty(1, 1, 8, 4, 4, dtype=logit_dt)
+        offsets = torch.empty(1, 1, 8, 4, 4, 2, dtype=in_dt)
+        logits = torch.empty(1, 1, 8, 4, 4, dtype=fused_tests.logit_dtype_for(in_dt))
         cfg = interface.config_for(value, offsets, logits, torch.empty(1, 1, 4, ref_dims, dtype=in_dt))
         configs.append(interface.launched_config(cfg, 2, 300, S, {}))
-    # ... and its one-level and three-level cases (fp16 value and inputs).
-    for levels in (1, 3):
-        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=4))
-        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=2))
+    # ... and its one-level and three-level cases (fp16 value and inputs, points and boxes).
+    for levels, ref_dims in itertools.product((1, 3), (2, 4)):
+        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=ref_dims))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):

@@ -23,6 +23,12 @@ LEVELS = [(50, 84), (25, 42), (13, 21), (7, 11)]
 SIZES = dict(batch=2, queries=300, heads=8, head_dim=32, points=4)
 
 
+def logit_dtype_for(input_dtype):
+    """The logits' dtype beside reference points and offsets in input_dtype: fp32 where those are not, bf16 where
+    they are, so that mixes are covered too."""
+    return torch.float32 if input_dtype != torch.float32 else torch.bfloat16
+
+
 def on_cuda(args):
     return [t.cuda() for t in args]
 
@@ -41,11 +47,9 @@ def hopper_fused_available() -> bool:
 @pytest.mark.parametrize("value_dtype,input_dtype", list(itertools.product(FLOATS, repeat=2)), ids=str)
 @pytest.mark.parametrize("ref_dim", [2, 4])
 def test_fused_op_matches_float64_reference(gen, value_dtype, input_dtype, ref_dim):
-    """reference_points, offsets and logits in input_dtype (logits fp32 where the others are not, so
-    mixes are covered too)."""
-    logit_dtype = torch.float32 if input_dtype != torch.float32 else torch.bfloat16
+    """reference_points and offsets in input_dtype, logits in logit_dtype_for(input_dtype)."""
     args = on_cuda(make_fused_inputs(gen, LEVELS, **SIZES, ref_dim=ref_dim, dtype=value_dtype, ref_dtype=input_dtype,
-                                     offset_dtype=input_dtype, logit_dtype=logit_dtype))
+                                     offset_dtype=input_dtype, logit_dtype=logit_dtype_for(input_dtype)))
     poison_allocator(2 * 300 * 8 * 32 * 4)
     out = run_fused(args)
     ref = fused_reference(*args, out_dtype=torch.float64)
