@@ -24,6 +24,7 @@ as shipped.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import statistics
 import sys
@@ -36,7 +37,7 @@ import torch
 import cute_deform
 from cute_deform import fused, op
 from cute_deform.nn import MSDeformAttn
-from cute_deform.reference import fused_sampling_inputs
+from cute_deform.reference import fused_sampling_inputs, ms_deform_attn_reference
 
 COCO_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 TINY_LEVELS = ((8, 10), (4, 5), (2, 3), (1, 1))
@@ -138,9 +139,9 @@ def encoder_layer(levels, d_model, heads, points, batch, dtype, device, gen):
     return module, (query, ref, flat, shapes, starts, mask)
 
 
-def unfused_layer(module, query, reference_points, flat, shapes, starts, mask):
+def unfused_layer(module, query, reference_points, flat, shapes, starts, mask, forward=None):
     """The layer as MSDeformAttn computed it before the fused op: locations and softmax with torch ops
-    (in the layers' dtype), then torch.ops.cute_deform.forward."""
+    (in the layers' dtype), then forward (torch.ops.cute_deform.forward)."""
     N, Lq, _ = query.shape
     S = flat.shape[1]
     M, L, P = module.n_heads, module.n_levels, module.n_points
@@ -149,7 +150,16 @@ def unfused_layer(module, query, reference_points, flat, shapes, starts, mask):
     weights = module.attention_weights(query).view(N, Lq, M, L * P).softmax(-1).view(N, Lq, M, L, P)
     pixels = shapes.flip(-1).to(offsets.dtype)
     locations = reference_points[:, :, None, :, None, :] + offsets / pixels[None, None, None, :, None, :]
-    return module.output_proj(torch.ops.cute_deform.forward(value, shapes, starts, locations, weights))
+    forward = forward or torch.ops.cute_deform.forward
+    return module.output_proj(forward(value, shapes, starts, locations, weights))
+
+
+def float64_layer(module, query, reference_points, flat, shapes, starts, mask):
+    """The layer's output in float64 (the module's weights and the inputs as given, every operation in float64,
+    the reference semantics): what both layers' errors are measured against."""
+    wide = copy.deepcopy(module).double()
+    inputs = [t.double() if t.is_floating_point() else t for t in (query, reference_points, flat)]
+    return unfused_layer(wide, *inputs, shapes, starts, mask, forward=ms_deform_attn_reference)
 
 
 def cuda_graph(fn):
@@ -185,15 +195,16 @@ def bench_layer(rows, timer, device, opts, gen):
         module, inputs = encoder_layer(levels, d_model, 8, 4, 2, dtype, device, gen)
         layers = {"fused (forward_fused)": lambda: module(*inputs), "unfused (torch + forward)":
                   lambda: unfused_layer(module, *inputs)}
+        notes = {}
         with torch.no_grad():
             try:
-                err = rel_err(layers["fused (forward_fused)"](), layers["unfused (torch + forward)"]())
-                note = f"fused vs unfused output: rel err {err:.1e}"
+                exact = float64_layer(module, *inputs)
+                notes = {what: f"rel err vs float64 {rel_err(fn(), exact):.1e}" for what, fn in layers.items()}
             except Exception as exc:
-                note = f"check failed: {reason_of(exc)}"
+                notes = dict.fromkeys(layers, f"check failed: {reason_of(exc)}")
             for what, fn in layers.items():
                 for mode in ("eager", "CUDA graph", "torch.compile"):
-                    row = Row(section, what, dtype_name, mode, note=note if mode == "eager" else "")
+                    row = Row(section, what, dtype_name, mode, note=notes.get(what, "") if mode == "eager" else "")
                     rows.append(row)
                     if mode == "CUDA graph" and device.type != "cuda":
                         row.note = "skipped: needs a CUDA device"
