@@ -5,7 +5,6 @@ The extension is built with torch.utils.cpp_extension.load for sm_90a and cached
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time

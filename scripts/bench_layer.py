@@ -371,7 +371,7 @@ def print_table(rows):
 def precompile_kernels(opts) -> None:
     """The Hopper kernels the rows run (fused with 2-d and box reference points, unfused), compiled in
     parallel processes into the disk cache first, so no row waits for a compile."""
-    from cute_deform.hopper import interface
+    from cute_deform.hopper import compile_cache, launch_rules
     from cute_deform.hopper.config import KernelConfig
 
     names = {"fp32": "float32", "fp16": "float16"}
@@ -381,11 +381,11 @@ def precompile_kernels(opts) -> None:
         for ref_dtype in {dt, "float32"}:
             for ref_dims in (2, 4):
                 configs.append(KernelConfig(dt, dt, dt, 8, 4, 4, 32, fused=True, ref_dtype=ref_dtype,
-                                            ref_dims=ref_dims, **interface.TUNING))
-        configs.append(KernelConfig(dt, dt, dt, 8, 4, 4, 32, **interface.TUNING))
-        configs.append(KernelConfig(dt, "float32", "float32", 8, 4, 4, 32, **interface.TUNING))
+                                            ref_dims=ref_dims, **launch_rules.TUNING))
+        configs.append(KernelConfig(dt, dt, dt, 8, 4, 4, 32, **launch_rules.TUNING))
+        configs.append(KernelConfig(dt, "float32", "float32", 8, 4, 4, 32, **launch_rules.TUNING))
     t0 = time.time()
-    interface.precompile(configs)
+    compile_cache.precompile(configs)
     print(f"  precompiled {len(configs)} kernel configurations (and their launch variants) in {time.time() - t0:.0f} s")
 
 

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from cute_deform.hopper import interface  # noqa: E402
+from cute_deform.hopper import compile_cache, interface, launch_rules  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 
@@ -36,11 +36,11 @@ import bench_layer  # noqa: E402  (this script's folder: the layer and the host-
 
 SHAPE = ("float16", "float32", "float32", 8, 4, 4, 32)  # value, locations, weights dtypes, M, L, P, D
 VARIANTS = {
-    "default": lambda: KernelConfig(*SHAPE, **interface.TUNING),
-    "fused": lambda: KernelConfig(*SHAPE, fused=True, **interface.TUNING),
-    "tma boxes": lambda: KernelConfig(*SHAPE, **{**interface.TUNING, "fine_gather": "tma", "num_groups": 4,
+    "default": lambda: KernelConfig(*SHAPE, **launch_rules.TUNING),
+    "fused": lambda: KernelConfig(*SHAPE, fused=True, **launch_rules.TUNING),
+    "tma boxes": lambda: KernelConfig(*SHAPE, **{**launch_rules.TUNING, "fine_gather": "tma", "num_groups": 4,
                                                  "num_stages": 3}),
-    "no multicast": lambda: KernelConfig(*SHAPE, **{**interface.TUNING, "cluster_size": 1}),
+    "no multicast": lambda: KernelConfig(*SHAPE, **{**launch_rules.TUNING, "cluster_size": 1}),
     "generic": lambda: GenericConfig(*SHAPE),
 }
 LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
@@ -76,7 +76,7 @@ def cmd_compile(args):
     print(f"cold compile, value/locations/weights/M/L/P/D = {SHAPE}:")
     for name, make in VARIANTS.items():
         t0 = time.perf_counter()
-        interface.compile_kernel(make())
+        compile_cache.compile_kernel(make())
         print(f"  {name:14s} {time.perf_counter() - t0:6.2f} s", flush=True)
 
 
@@ -347,7 +347,7 @@ def cmd_smoke(args):
         value = torch.randn(N, int(pixels.sum()), M, D, device="cuda").to(dtype)
         loc = torch.rand(N, Lq, M, len(levels), 4, 2, device="cuda") * (high - low) + low
         attn = torch.rand(N, Lq, M, len(levels), 4, device="cuda")
-        cfg = interface.launched_config(interface.config_for(value, loc, attn), N, Lq, value.shape[1], {})
+        cfg = launch_rules.launched_config(interface.config_for(value, loc, attn), N, Lq, value.shape[1], {})
         out = interface.msda_forward(value, shapes, starts, loc, attn)
         torch.cuda.synchronize()
         ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
@@ -359,7 +359,7 @@ def cmd_smoke(args):
         _, err = run([(9, 13), (5, 6), (1, 3), (3, 1)], 2, 50, 2, D, dtype, -0.2, 1.2)
         worst = max(worst, err)
         print(f"smoke D={D} {dtype}: rel err {err:.2e}")
-    # A decoder on one image (Deformable DETR's levels, 300 queries): the short-range launch (interface.SHORT_RANGES).
+    # A decoder on one image (Deformable DETR's levels, 300 queries): the short-range launch (launch_rules.SHORT_RANGES).
     cfg, err = run([(100, 167), (50, 84), (25, 42), (13, 21)], 1, 300, 8, 32, torch.float16, 0.0, 1.0)
     assert cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.cluster_size == 1, cfg
     worst = max(worst, err)

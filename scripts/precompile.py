@@ -6,7 +6,7 @@ instead of compiling each for seconds.
     CUTE_DSL_ARCH=sm_90a CUTE_DEFORM_CACHE_DIR=.kcache python scripts/precompile.py --archive .kcache.tar.xz
 
 scripts/gpu_all.sh unpacks .kcache.tar.xz into its cache when the archive travels with the work tree
-(about 1.7 MB for the ~230 configurations).
+(about 5 MB for the ~410 configurations).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 import torch  # noqa: E402
 
-from cute_deform.hopper import interface  # noqa: E402
+from cute_deform.hopper import compile_cache, interface, launch_rules  # noqa: E402
 
 
 def _config(dt, loc_dt, M, D, L, P, ref_dims=None):
@@ -47,20 +47,20 @@ def configurations() -> list:
     configs += [grid.fused_case_config(case) for case in grid.FUSED]
     # The Deformable DETR layer and model of scripts/bench_layer.py: the fused op with fp32 and fp16 weights.
     for dt in (torch.float32, torch.float16):
-        configs += interface.launch_variants(_config(dt, dt, 8, 32, 4, 4, ref_dims=2))
+        configs += launch_rules.launch_variants(_config(dt, dt, 8, 32, 4, 4, ref_dims=2))
     # tests/test_gpu.py: the demo's decoder and tiny presets, every value and location dtype.
     for name in ("decoder", "tiny"):
         preset = demo.PRESETS[name]
         for dt in (torch.float32, torch.float16, torch.bfloat16):
             for loc_dt in (torch.float32, torch.float16, torch.bfloat16):
                 cfg = _config(dt, loc_dt, preset.heads, preset.head_dim, len(preset.levels), preset.points)
-                configs += interface.launch_variants(cfg)
+                configs += launch_rules.launch_variants(cfg)
     # tests/test_native_gpu.py: the tiled and generic kernels, and the fused one with points and boxes.
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         for D in (32, 6):
-            configs += interface.launch_variants(_config(dt, torch.float32, 8, D, 4, 4))
+            configs += launch_rules.launch_variants(_config(dt, torch.float32, 8, D, 4, 4))
     for ref_dims in (2, 4):
-        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, 4, 4, ref_dims=ref_dims))
+        configs += launch_rules.launch_variants(_config(torch.float16, torch.float16, 8, 32, 4, 4, ref_dims=ref_dims))
     # tests/test_fused_gpu.py: every value and input dtype, points and boxes, on its four small levels (N=2, Lq=300).
     import test_fused_gpu as fused_tests
 
@@ -71,23 +71,23 @@ def configurations() -> list:
         offsets = torch.empty(1, 1, 8, 4, 4, 2, dtype=in_dt)
         logits = torch.empty(1, 1, 8, 4, 4, dtype=fused_tests.logit_dtype_for(in_dt))
         cfg = interface.config_for(value, offsets, logits, torch.empty(1, 1, 4, ref_dims, dtype=in_dt))
-        configs.append(interface.launched_config(cfg, 2, 300, S, {}))
+        configs.append(launch_rules.launched_config(cfg, 2, 300, S, {}))
     # ... and its one-level and three-level cases (fp16 value and inputs, points and boxes).
     for levels, ref_dims in itertools.product((1, 3), (2, 4)):
-        configs += interface.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=ref_dims))
+        configs += launch_rules.launch_variants(_config(torch.float16, torch.float16, 8, 32, levels, 4, ref_dims=ref_dims))
     shapes = tune.shapes_of(list(compare.PRESETS))
     for dt in (torch.float16, torch.float32, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
             for cfg in sorted(tune.configs_of(shapes, [{}], dt, loc_dt), key=repr):
-                configs += interface.launch_variants(cfg)
+                configs += launch_rules.launch_variants(cfg)
     # compare.py --presets models (fp16 value, fp32 locations): the model shapes beyond the presets.
     for cfg in sorted(tune.configs_of(tune.shapes_of(list(compare.MODEL_PRESETS)), [{}], torch.float16), key=repr):
-        configs += interface.launch_variants(cfg)
+        configs += launch_rules.launch_variants(cfg)
     # compare.py --D 48 / 96 / 256 (fp16 value, fp32 locations): the head dims timed against classic.
     for D in (48, 96, 256):
         args = compare.parse_args(["--presets", ",".join(compare.PRESETS), "--D", str(D)])
         for cfg in sorted(tune.configs_of(compare.selected_shapes(args), [{}], torch.float16), key=repr):
-            configs += interface.launch_variants(cfg)
+            configs += launch_rules.launch_variants(cfg)
     return list(dict.fromkeys(configs))
 
 
@@ -95,13 +95,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archive", help="also write the cache as this .tar.xz")
     args = parser.parse_args(argv)
-    cache = interface.cache_dir()
+    cache = compile_cache.cache_dir()
     if cache is None:
         sys.exit("the kernel cache is off: set CUTE_DEFORM_CACHE_DIR to a folder")
     configs = configurations()
     print(f"{len(configs)} configurations into {cache}", flush=True)
     start = time.time()
-    interface.precompile(configs, variants=False)
+    compile_cache.precompile(configs, variants=False)
     print(f"done in {time.time() - start:.0f} s", flush=True)
     if args.archive:
         with tarfile.open(args.archive, "w:xz") as tar:

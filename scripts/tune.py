@@ -8,7 +8,7 @@ compare.py's, shuffled queries included.
     python scripts/tune.py --precompile --sweep ...               # only fill the kernel cache (no GPU needed)
     python scripts/tune.py --presets "" --custom "--levels 100x167,50x84 --N 16 --Lq 900 --locations uniform"
 
-A variant is a ':'-separated list of knob=value of cute_deform.hopper.interface (TUNING, window_fraction,
+A variant is a ":"-separated list of knob=value of cute_deform.hopper.launch_rules (TUNING, window_fraction,
 reorder_queries, generic); the empty variant is the default.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import compare  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from cute_deform.hopper import interface  # noqa: E402
+from cute_deform.hopper import compile_cache, interface, launch_rules  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def _variant_configs(shapes, variants, dtype, loc_dtype):
         loc = torch.empty(1, 1, shape.M, shape.L, shape.P, 2, dtype=loc_dtype)
         attn = torch.empty(1, 1, shape.M, shape.L, shape.P, dtype=loc_dtype)
         for tuning in variants:
-            yield shape, tuning, interface.config_for(value, loc, attn, **interface.static_tuning(tuning))
+            yield shape, tuning, interface.config_for(value, loc, attn, **launch_rules.static_tuning(tuning))
 
 
 def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
@@ -81,15 +81,15 @@ def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
 
 
 def launched_configs(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
-    """The configurations the presets' launches run with each variant (interface.launched_config)."""
-    return {interface.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
+    """The configurations the presets' launches run with each variant (launch_rules.launched_config)."""
+    return {launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
             for shape, tuning, cfg in _variant_configs(shapes, variants, dtype, loc_dtype)}
 
 
 def precompile(shapes, variants, dtype):
     configs = launched_configs(shapes, variants, dtype)
     t0 = time.time()
-    interface.precompile(sorted(configs, key=repr), variants=False)
+    compile_cache.precompile(sorted(configs, key=repr), variants=False)
     print(f"{len(configs)} configurations (and their launch variants) in the cache in {time.time() - t0:.1f} s",
           flush=True)
 

@@ -10,13 +10,13 @@ interface = pytest.importorskip("cute_deform.hopper.interface")
 if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
-from cute_deform.hopper import kernel, tile_scheduler  # noqa: E402
+from cute_deform.hopper import compile_cache, kernel, launch_rules, tile_scheduler  # noqa: E402
 from cute_deform.hopper.config import KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
 from msda_testing import raster_cells  # noqa: E402
 
-TUNING = interface.TUNING
+TUNING = launch_rules.TUNING
 
 
 def tiled(value, loc, attn, M, L, P, D, **kw):
@@ -101,7 +101,7 @@ def ptx_of(tmp_path_factory):
     for name, cfg in VARIANTS:
         folder = root / name
         folder.mkdir()
-        interface.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
+        compile_cache.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
         files = list(folder.glob("*.sm_90a.ptx"))
         assert len(files) == 1, f"{name}: expected one sm_90a PTX file, found {files}"
         texts[name] = files[0].read_text()
@@ -232,54 +232,82 @@ def test_more_levels_or_points_go_to_the_generic_kernel():
 
 def test_cache_key_depends_only_on_static_parameters():
     a = tiled("float16", "float32", "float32", 8, 4, 4, 32)
-    assert interface.cache_key(a) == interface.cache_key(tiled("float16", "float32", "float32", 8, 4, 4, 32))
-    assert interface.cache_key(a) != interface.cache_key(tiled("float16", "float32", "float32", 8, 4, 8, 32))
-    assert interface.cache_key(a) != interface.cache_key(dataclasses.replace(a, fused=True))
+    assert compile_cache.cache_key(a) == compile_cache.cache_key(tiled("float16", "float32", "float32", 8, 4, 4, 32))
+    assert compile_cache.cache_key(a) != compile_cache.cache_key(tiled("float16", "float32", "float32", 8, 4, 8, 32))
+    assert compile_cache.cache_key(a) != compile_cache.cache_key(dataclasses.replace(a, fused=True))
     fields = {f.name for f in dataclasses.fields(KernelConfig)} | {f.name for f in dataclasses.fields(GenericConfig)}
     assert not fields & {"batch", "num_queries", "num_keys", "height", "width", "rounds"}
+
+
+def test_cache_key_covers_the_kernel_sources_and_not_the_host_modules(monkeypatch):
+    """A compiled kernel's key hashes every module that builds kernels; the host-only modules (launch rules, torch glue,
+    the cache itself) are left out, so a change to a launch rule keeps the cache, and they hold no kernel code."""
+    from pathlib import Path
+
+    hopper = Path(compile_cache.__file__).parent
+    for name in compile_cache.HOST_MODULES:
+        text = (hopper / name).read_text()
+        assert "@cute.kernel" not in text and "@cute.jit" not in text, name
+    kernel_modules = {p.name for p in hopper.glob("*.py")} - compile_cache.HOST_MODULES
+    assert {"config.py", "kernel.py", "pipeline.py", "inputs.py", "sampling.py", "tile_scheduler.py", "generic.py",
+            "order.py"} <= kernel_modules
+
+    def digest_with(changed: str) -> bytes:
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + (b"#" if self.name == changed else b""))
+        monkeypatch.setattr(compile_cache, "_SOURCE_DIGEST", None)
+        try:
+            return compile_cache._source_digest()
+        finally:
+            monkeypatch.setattr(Path, "read_bytes", real)
+            monkeypatch.setattr(compile_cache, "_SOURCE_DIGEST", None)
+
+    base = digest_with("")
+    assert digest_with("launch_rules.py") == base and digest_with("interface.py") == base
+    assert digest_with("kernel.py") != base and digest_with("sampling.py") != base
 
 
 def test_disk_cache_stores_loads_and_rebuilds_a_corrupt_entry(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path))
     cfg = GenericConfig("float16", "float16", "float16", 2, 1, 1, 16)
-    monkeypatch.setattr(interface, "_compiled", {})
-    compiled = interface.kernel_for(cfg)
-    entry = tmp_path / f"msda_{interface.cache_key(cfg)}.o"
+    monkeypatch.setattr(compile_cache, "_compiled", {})
+    compiled = compile_cache.kernel_for(cfg)
+    entry = tmp_path / f"msda_{compile_cache.cache_key(cfg)}.o"
     assert entry.is_file() and entry.stat().st_size > 10_000
     assert not list(tmp_path.glob(".tmp-*")), "temporary files must be renamed or removed"
 
-    monkeypatch.setattr(interface, "_compiled", {})
-    monkeypatch.setattr(interface, "compile_kernel", lambda *a, **k: pytest.fail("should load from disk"))
-    loaded = interface.kernel_for(cfg)
+    monkeypatch.setattr(compile_cache, "_compiled", {})
+    monkeypatch.setattr(compile_cache, "compile_kernel", lambda *a, **k: pytest.fail("should load from disk"))
+    loaded = compile_cache.kernel_for(cfg)
     assert callable(loaded) and loaded is not compiled
 
     entry.write_bytes(b"not an object file")
     monkeypatch.undo()
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(interface, "_compiled", {})
-    rebuilt = interface.kernel_for(cfg)
+    monkeypatch.setattr(compile_cache, "_compiled", {})
+    rebuilt = compile_cache.kernel_for(cfg)
     assert callable(rebuilt)
     assert entry.stat().st_size > 10_000, "the corrupt entry was replaced by a good one"
 
 
 def test_cache_can_be_moved_or_disabled(tmp_path, monkeypatch):
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path / "here"))
-    assert interface.cache_dir() == tmp_path / "here"
+    assert compile_cache.cache_dir() == tmp_path / "here"
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", "off")
-    assert interface.cache_dir() is None
+    assert compile_cache.cache_dir() is None
     monkeypatch.delenv("CUTE_DEFORM_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert interface.cache_dir() == tmp_path / "cute_deform"
+    assert compile_cache.cache_dir() == tmp_path / "cute_deform"
 
 
 def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
-    variants = interface.launch_variants(cfg)
+    variants = launch_rules.launch_variants(cfg)
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
-                        dataclasses.replace(cfg, cluster_size=1, **interface.SHORT_RANGES, coarse_evict_last=True,
+                        dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4),
@@ -289,20 +317,20 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     # At 8 points a level the table's launch sums samples in packed half arithmetic (bf16: fewer a sum).
     for value, sums in (("float16", 8), ("bfloat16", 4)):
         eight = tiled(value, "float32", "float32", 8, 4, 8, 32)
-        assert interface.launch_variants(eight)[-1] == dataclasses.replace(
+        assert launch_rules.launch_variants(eight)[-1] == dataclasses.replace(
             eight, permuted=True, gather_batch=2, line_prefetch=True, half_sums=sums)
     fp32 = tiled("float32", "float32", "float32", 8, 4, 8, 32)
-    assert interface.launch_variants(fp32)[-1].half_sums == 0
+    assert launch_rules.launch_variants(fp32)[-1].half_sums == 0
     fused = tiled("float16", "float16", "float16", 8, 4, 8, 32, fused=True)
-    assert interface.launch_variants(fused)[-1] == dataclasses.replace(fused, permuted=True, line_prefetch=True,
+    assert launch_rules.launch_variants(fused)[-1] == dataclasses.replace(fused, permuted=True, line_prefetch=True,
                                                                        half_sums=4)
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
-    assert interface.launch_variants(boxes) == [boxes]
+    assert launch_rules.launch_variants(boxes) == [boxes]
     # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
     # them, through the order table too.
     odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
-    assert interface.launch_variants(odd) == [
+    assert launch_rules.launch_variants(odd) == [
         odd, dataclasses.replace(odd, l1_first=True, gather_batch=4),  # no producer warp feeds them: producers stays
         dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
 
@@ -321,15 +349,15 @@ def test_precompile_covers_every_launch_of_the_presets_and_model_shapes(monkeypa
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
             for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
-                launched = interface.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
-                assert launched in interface.launch_variants(cfg), (shape.name, dt, loc_dt)
+                launched = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
+                assert launched in launch_rules.launch_variants(cfg), (shape.name, dt, loc_dt)
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
 
 
 def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
-    changes, grid, schedule = interface.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], window,
+    changes, grid, schedule = launch_rules.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], window,
                                                       reorder, frozenset(fixed))
     return changes, grid, schedule
 
@@ -373,15 +401,15 @@ RTDETR = [(80, 80), (40, 40), (20, 20)]
                                          (RTDETR, 1, 300), (RTDETR, 4, 300), (RTDETR, 4, 900)])
 def test_short_ranges_take_the_small_decoders_knobs(levels, N, Lq):
     """One round of single CTAs over up to SHORT_RANGE_TILES tiles a CTA (decoders of one to four images) takes
-    interface.SHORT_RANGES in one round, without whole-line fetches; the single-CTA launch's encoder rules for a
+    launch_rules.SHORT_RANGES in one round, without whole-line fetches; the single-CTA launch's encoder rules for a
     segment's start and the coarse levels stay."""
     S = sum(h * w for h, w in levels)
     cfg = tiled("float16", "float32", "float32", 8, len(levels), 4, 32)
     changes, grid, schedule = launch_of(cfg, N, Lq, S)
-    assert N * 8 * -(-Lq // 32) <= interface.SHORT_RANGE_TILES * grid
-    assert changes == dict(cluster_size=1, **interface.SHORT_RANGES, coarse_evict_last=True, segment_cost=4)
+    assert N * 8 * -(-Lq // 32) <= launch_rules.SHORT_RANGE_TILES * grid
+    assert changes == dict(cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True, segment_cost=4)
     assert (schedule.rounds, schedule.whole) == (1, False)
-    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+    assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
     # A caller's window or groups stay: the window turns the rule off, the groups keep the rest of it.
     assert launch_of(cfg, N, Lq, S, window=0.5)[0].get("vector_bytes", 16) == 16
     fixed = launch_of(dataclasses.replace(cfg, num_groups=5), N, Lq, S, fixed={"num_groups"})[0]
@@ -394,8 +422,8 @@ def test_short_ranges_take_the_small_decoders_knobs_with_fp32_value(levels, N):
     S = sum(h * w for h, w in levels)
     cfg = tiled("float32", "float32", "float32", 8, len(levels), 4, 32)
     changes, _, schedule = launch_of(cfg, N, 300, S)
-    assert changes == dict(cluster_size=1, **interface.SHORT_RANGES) and schedule.rounds == 1
-    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+    assert changes == dict(cluster_size=1, **launch_rules.SHORT_RANGES) and schedule.rounds == 1
+    assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
 
 
 @pytest.mark.parametrize("value", ["float16", "float32"])
@@ -406,9 +434,9 @@ def test_short_ranges_take_the_small_decoders_knobs_in_the_fused_kernel(value, l
     for ref_dims in (2, 4):
         cfg = tiled(value, value, value, 8, len(levels), 4, 32, fused=True, ref_dtype=value, ref_dims=ref_dims)
         changes, _, schedule = launch_of(cfg, N, 300, S)
-        assert {k: changes.get(k) for k in interface.SHORT_RANGES} == interface.SHORT_RANGES, changes
+        assert {k: changes.get(k) for k in launch_rules.SHORT_RANGES} == launch_rules.SHORT_RANGES, changes
         assert schedule.rounds == 1 and changes["cluster_size"] == 1
-        assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+        assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
 
 
 @pytest.mark.parametrize("value,D,fused,levels,N,Lq", [
@@ -422,7 +450,7 @@ def test_short_ranges_rule_stays_where_it_was_not_measured(value, D, fused, leve
     dt = "float16" if fused else "float32"
     cfg = tiled(value, dt, dt, 8, len(levels), 4, D, fused=fused)
     changes, _, _ = launch_of(cfg, N, Lq, S)
-    assert {k: changes.get(k) for k in interface.SHORT_RANGES} != interface.SHORT_RANGES, changes
+    assert {k: changes.get(k) for k in launch_rules.SHORT_RANGES} != launch_rules.SHORT_RANGES, changes
 
 
 @pytest.mark.parametrize("value,fused,levels,N,Lq,unstaged", [
@@ -446,7 +474,7 @@ def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, fused, leve
     assert changes["cluster_size"] == 1
     assert (changes.get("stage_bytes") == 0) == unstaged, changes
     if unstaged:
-        assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+        assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
         assert "stage_bytes" not in launch_of(cfg, N, Lq, S, fixed={"stage_bytes"})[0]
         if Lq == S:
             assert changes["num_groups"] == (6 if value == "float32" or fused else 7)
@@ -463,7 +491,7 @@ def test_one_level_too_large_to_stage_takes_no_staging_buffer(value, fused, leve
 ])
 def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N, batch):
     """One round of single CTAs over long ranges (encoders) issues two samples' loads at once at two or three levels
-    of up to four points in 64-byte head rows (interface._few_levels_batch); over several rounds, at one or four
+    of up to four points in 64-byte head rows (launch_rules._few_levels_batch); over several rounds, at one or four
     levels, at 8 points, in other rows, with fp32 value, fused, or where the caller chose a batch, it does not."""
     S = sum(h * w for h, w in levels)
     Lq = S if len(levels) > 1 else 40000
@@ -471,7 +499,7 @@ def test_single_ctas_at_two_or_three_levels_issue_two_samples_at_once(levels, N,
     changes, _, schedule = launch_of(cfg, N, Lq, S)
     assert changes["cluster_size"] == 1 and not schedule.whole
     assert changes.get("gather_batch") == batch
-    assert dataclasses.replace(cfg, **changes) in interface.launch_variants(cfg)
+    assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
     if batch:
         assert "gather_batch" not in launch_of(cfg, N, Lq, S, fixed={"gather_batch"})[0]
         for other in (tiled("float16", "float32", "float32", 8, len(levels), 8, 32),
@@ -489,12 +517,12 @@ def test_single_ctas_at_one_level_take_rounds_over_a_quarter_of_l2(side, N):
     one = tiled("float16", "float32", "float32", 8, 1, 4, 32)
     changes, _, schedule = launch_of(one, N, S, S)
     assert changes["cluster_size"] == 1
-    assert schedule == launch_of(one, N, S, S, window=interface.ONE_LEVEL_WINDOW_L2_FRACTION)[2]
-    assert schedule.rounds > launch_of(one, N, S, S, window=interface.SINGLE_CTA_WINDOW_L2_FRACTION)[2].rounds
+    assert schedule == launch_of(one, N, S, S, window=launch_rules.ONE_LEVEL_WINDOW_L2_FRACTION)[2]
+    assert schedule.rounds > launch_of(one, N, S, S, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2].rounds
     assert launch_of(one, N, S, S, window=1.0)[2].rounds == 1
     three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
     assert (launch_of(three, 8, 21504, 21504)[2]
-            == launch_of(three, 8, 21504, 21504, window=interface.SINGLE_CTA_WINDOW_L2_FRACTION)[2])
+            == launch_of(three, 8, 21504, 21504, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2])
 
 
 def test_table_rounds_follow_the_segments_where_two_heads_share_a_line():
@@ -627,7 +655,7 @@ def test_the_fused_encoder_launch_takes_six_groups():
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
     cfg = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
     assert launch_of(cfg, 2, 22223, 22223)[0] == six
-    assert dataclasses.replace(cfg, **six) in interface.launch_variants(cfg)
+    assert dataclasses.replace(cfg, **six) in launch_rules.launch_variants(cfg)
     # fp32 too, in one round (N = 2) or several (N = 4).
     fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
     assert launch_of(fp32, 2, 22223, 22223)[0] == six
@@ -751,7 +779,7 @@ def test_order_kernel_compiles_for_sm90a(tmp_path):
     for dtype in ("float32", "float16", "bfloat16"):
         folder = tmp_path / dtype
         folder.mkdir()
-        interface.compile_kernel(OrderConfig(dtype), f"--keep-ptx --dump-dir={folder}")
+        compile_cache.compile_kernel(OrderConfig(dtype), f"--keep-ptx --dump-dir={folder}")
         ptx = "".join(p.read_text() for p in folder.rglob("*.ptx"))
         assert ptx.count("atom.shared.cta.add.u32") >= 2
         assert ptx.count("bar.sync") >= 4
@@ -843,7 +871,7 @@ def test_segment_cost_covers_every_tile_once_and_shortens_the_ranges_that_cross_
 
 
 def _conversions_and_shuffles(cfg, folder):
-    interface.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
+    compile_cache.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
     ptx = next(folder.glob("*.sm_90a.ptx")).read_text()
     half = {"float16": "f16", "bfloat16": "bf16"}[cfg.value_dtype]
     conversions = len(re.findall(rf"^\s*cvt\.f32\.{half}\b", ptx, re.M))
@@ -927,14 +955,14 @@ def test_a_kernel_taking_more_shared_memory_than_its_configuration_plans_does_no
     cfg = configs_of("default")
     monkeypatch.setattr(KernelConfig, "smem_bytes", property(lambda self: 1024))
     with pytest.raises(RuntimeError, match="more than its configuration plans"):
-        interface.compile_kernel(cfg)
+        compile_cache.compile_kernel(cfg)
 
 
 @pytest.mark.parametrize("P", [4, 8])
 def test_every_launch_of_fp16_value_is_a_variant_the_precompile_covers(P):
     cfg = tiled("float16", "float32", "float32", 8, 4, P, 32)
-    variants = interface.launch_variants(cfg)
+    variants = launch_rules.launch_variants(cfg)
     for N, Lq, S in ((1, 15200, 20197), (2, 22223, 22223), (8, 22223, 22223), (8, 900, 22223), (16, 300, 22223),
                      (32, 300, 22223), (48, 15422, 19560), (1, 16, 20000)):
-        launched = interface.launched_config(cfg, N, Lq, S, {})
+        launched = launch_rules.launched_config(cfg, N, Lq, S, {})
         assert launched in variants, (N, Lq, S, launched)

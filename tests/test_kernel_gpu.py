@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cute_deform import ms_deform_attn_reference
-from cute_deform.hopper import interface
+from cute_deform.hopper import compile_cache, interface, launch_rules
 from msda_testing import (finite_rel_err, fused_inputs, fused_reference, make_inputs, nonfinite_mismatch,
                           poison_allocator, raster_cells, rel_err, sprinkle_special_locations)
 
@@ -99,8 +99,8 @@ def levels_of(c):
 
 def launched_config(value, loc, attn, ref, tuning, N, Lq, S):
     """The configuration the launches of a case (N images, Lq queries, S pixels) run: the launch's own choice."""
-    cfg = interface.config_for(value, loc, attn, ref, **interface.static_tuning(tuning))
-    return interface.launched_config(cfg, N, Lq, S, tuning)
+    cfg = interface.config_for(value, loc, attn, ref, **launch_rules.static_tuning(tuning))
+    return launch_rules.launched_config(cfg, N, Lq, S, tuning)
 
 
 def case_config(c):
@@ -126,7 +126,7 @@ def compiled_kernels(request):
                 if item.module is request.module and hasattr(item, "callspec")}
     configs = ([case_config(c) for c in CASES if case_id(c) in selected]
                + [fused_case_config(c) for c in FUSED if fused_case_id(c) in selected])
-    interface.precompile(configs, variants=False)
+    compile_cache.precompile(configs, variants=False)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -381,7 +381,7 @@ def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     S = pixels(levels)
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=S)
     cfg = interface.config_for(value, loc, attn)
-    assert interface.choose_launch(cfg, 2, S, S, 132, 50 << 20, None, "auto")[2].rounds > 1
+    assert launch_rules.choose_launch(cfg, 2, S, S, 132, 50 << 20, None, "auto")[2].rounds > 1
     within_reference((value, shapes, starts, loc, attn), ({}, dict(window_fraction=1.0)))
 
 
@@ -401,7 +401,7 @@ def test_one_level_too_large_to_stage_runs_without_a_staging_buffer(gen, value_d
     ([(32, 32), (16, 16), (8, 8)], 1, None, torch.float16), (DETR_LEVELS, 4, 300, torch.float32)])
 def test_short_ranges_take_the_small_decoders_launch(gen, levels, batch, queries, value_dtype):
     """Small decoders (Deformable DETR's 300 queries at N=1, RT-DETR's levels at N=4) and a small encoder run single
-    CTAs over short ranges with 8-byte vectors, four groups and the setup split (interface.SHORT_RANGES): every image
+    CTAs over short ranges with 8-byte vectors, four groups and the setup split (launch_rules.SHORT_RANGES): every image
     within the bound of float64, outputs poisoned, as with the single-CTA launch's knobs (a caller's window)."""
     S = pixels(levels)
     queries = queries or S

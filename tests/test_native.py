@@ -111,16 +111,16 @@ def test_fresh_and_cached_kernels_have_a_handle(tmp_path, monkeypatch):
     one wraps it, for its defaults) and the same kernel loaded back from the disk cache."""
     pytest.importorskip("cutlass")
     from cute_deform import native
-    from cute_deform.hopper import interface
+    from cute_deform.hopper import compile_cache
     from cute_deform.hopper.generic import GenericConfig
 
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     monkeypatch.setenv("CUTE_DEFORM_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(interface, "_compiled", {})
+    monkeypatch.setattr(compile_cache, "_compiled", {})
     cfg = GenericConfig("float32", "float32", "float32", 2, 2, 2, 6)
-    fresh = interface.kernel_for(cfg)  # compiled and stored
+    fresh = compile_cache.kernel_for(cfg)  # compiled and stored
     assert native._ffi_handle(fresh) != 0
-    interface._compiled.clear()
-    cached = interface.kernel_for(cfg)  # loaded from tmp_path
+    compile_cache._compiled.clear()
+    cached = compile_cache.kernel_for(cfg)  # loaded from tmp_path
     assert cached is not fresh and native._ffi_handle(cached) != 0
     assert native._ffi_handle(object()) == 0

@@ -9,6 +9,8 @@ One concern per module:
 - kernel.py          the tiled kernel (MSDAForward): TMA atoms, shared storage, producer and consumer roles
 - generic.py         the generic kernel for every other shape (any head dim, more levels or points)
 - order.py           the order table: each image's queries by position (a counting sort on the device)
-- interface.py       torch glue: configuration, compile cache, launch
+- launch_rules.py    the knobs, grid and schedule each launch takes from the problem's size, with their measurements
+- compile_cache.py   compiled kernels in memory and on disk, and compiling ahead (precompile)
+- interface.py       torch glue: the configuration of a call, its launch plan, the launch
 """
 from .interface import available, check_supported, msda_forward, msda_forward_fused  # noqa: F401

@@ -83,41 +83,41 @@ class KernelConfig(ProblemConfig):
     gather_batch: int = 1
     # L1 gathers ask L2 for the whole 128-byte line of each corner's row (ld.global.L2::128B): a fp16 head
     # row is half a line, and the other half is the next head's row of the same pixel. A launch rule
-    # (interface.choose_launch), for where it won.
+    # (launch_rules.choose_launch), for where it won.
     line_prefetch: bool = False
     # L1 gathers of the level with the most pixels (found at run time) load with L1::evict_first: scattered
-    # queries rarely share its lines. A launch rule for whole segments (interface.choose_launch).
+    # queries rarely share its lines. A launch rule for whole segments (launch_rules.choose_launch).
     finest_evict_first: bool = False
     # L1 gathers of the levels other than the finest load with the L2 evict-last policy: their lines are
-    # the ones a launch reads again. A launch rule (interface.choose_launch), for where it won.
+    # the ones a launch reads again. A launch rule (launch_rules.choose_launch), for where it won.
     coarse_evict_last: bool = False
     # The producer warps issue the inputs of round 0's first tiles before the prologue (the level table
     # and the cluster barrier), which they need neither of, and the first segment skips its segment
-    # barrier (the prologue's orders its staging). A launch rule for whole segments (interface.choose_launch).
+    # barrier (the prologue's orders its staging). A launch rule for whole segments (launch_rules.choose_launch).
     early_inputs: bool = False
     # Bytes of value a thread loads per corner: 16, or 8 (twice the threads a query, half the queries a
-    # tile). A launch rule for CTA pairs over whole segments of 64-byte head rows (interface.choose_launch,
+    # tile). A launch rule for CTA pairs over whole segments of 64-byte head rows (launch_rules.choose_launch,
     # which has the measurements), where it won.
     vector_bytes: int = 16
     # At each segment the staging warp asks L2 (TMA prefetch boxes, after the staging's copies) for the head
     # rows of the levels that are neither staged nor the finest and that the segment's samples are expected
     # to read most of (MSDAForward.prefetch_levels): their gathers then wait on L2, not DRAM. A launch rule
-    # for CTA pairs over one whole segment each (interface.choose_launch, which has the measurements).
+    # for CTA pairs over one whole segment each (launch_rules.choose_launch, which has the measurements).
     prefetch_levels: bool = False
     # Tiles a segment's start counts for where the tile sequence is cut into ranges that are not whole
     # segments: a range that crosses into the next (image, head) waits there for every group (the barrier)
-    # and for the new staging, and takes that many fewer tiles. A launch rule (interface.choose_launch, which
+    # and for the new staging, and takes that many fewer tiles. A launch rule (launch_rules.choose_launch, which
     # has the measurements).
     segment_cost: int = 0
     # Where groups alternate (KernelConfig.alternates), every group's first tile of a segment gathers the L1
     # levels first, while the staging lands; the tiles after it alternate as before. A launch rule for single
-    # CTAs over whole segments (interface.choose_launch, which has the measurements).
+    # CTAs over whole segments (launch_rules.choose_launch, which has the measurements).
     l1_first_tile: bool = False
     # fp16/bf16 value: each sample's attention weight folded into its corner weights, and the packed half corner
     # sums of up to this many samples of a level added in packed half arithmetic before one fp32 add (0: each
     # sample's sum converted and added alone). Fewer instructions a sample, for a larger rounding error; with fp16
     # value a weight times a corner weight must stay in fp16's range (any softmax or sigmoid weight does), as in
-    # the original kernel's half arithmetic. A launch rule (interface.choose_launch, which has the measurements).
+    # the original kernel's half arithmetic. A launch rule (launch_rules.choose_launch, which has the measurements).
     half_sums: int = 0
 
     def __post_init__(self):

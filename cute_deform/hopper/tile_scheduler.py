@@ -114,7 +114,7 @@ class TileScheduler:
         else:
             # Each segment counts segment_cost tiles more at its start (its staging): an even split of
             # the longer sequence, mapped back to tiles (a boundary inside a start lands on the segment).
-            # The longer sequence fits an Int32 (interface.choose_launch).
+            # The longer sequence fits an Int32 (launch_rules.choose_launch).
             span = self.blocks + self.segment_cost
             v = cutlass.Int64(i) * (cutlass.Int64(self.num_tiles) + self.segment_cost * segments) // self.ranges
             k = cutlass.Int32(v) // span
