@@ -58,8 +58,9 @@ def shapes_of(names: list[str], custom: list[str] = ()) -> list:
     for spec in custom:
         shape = compare.selected_shapes(compare.parse_args(["--presets", ""] + shlex.split(spec)))[-1]
         # Named by every field a custom shape sets, so that two shapes never share a row of the table.
-        finest = "x".join(map(str, shape.levels[0]))
-        name = f"L{len(shape.levels)}-{finest}-N{shape.N}-Lq{shape.Lq}-P{shape.P}-{shape.locations}-{shape.order}"
+        levels = ",".join(f"{h}x{w}" for h, w in shape.levels)
+        heads = "" if (shape.M, shape.D) == (8, 32) else f"-M{shape.M}-D{shape.D}"
+        name = f"{levels}-N{shape.N}-Lq{shape.Lq}-P{shape.P}{heads}-{shape.locations}-{shape.order}"
         shapes.append(dataclasses.replace(shape, name=name))
     return shapes
 

@@ -56,12 +56,15 @@ def test_tune_takes_custom_shapes_next_to_presets():
     import tune
     shapes = tune.shapes_of(["decoder-b16"], ["--levels 100x167,50x84 --N 16 --Lq 900 --locations uniform",
                                               "--levels 10x10 --N 2 --P 3 --locations ref"])
-    assert [s.name for s in shapes] == ["decoder-b16", "L2-100x167-N16-Lq900-P4-uniform-sorted",
-                                        "L1-10x10-N2-Lq100-P3-ref-sorted"]
-    # Shapes that differ only in their levels or order get rows of their own.
+    assert [s.name for s in shapes] == ["decoder-b16", "100x167,50x84-N16-Lq900-P4-uniform-sorted",
+                                        "10x10-N2-Lq100-P3-ref-sorted"]
+    # Shapes that differ only in one level (the finest or another), their order or their heads get rows of their own.
     twins = tune.shapes_of([], ["--levels 80x80 --N 1 --Lq 300", "--levels 100x167 --N 1 --Lq 300",
-                                "--levels 80x80 --N 1 --Lq 300 --order shuffled"])
-    assert len({s.name for s in twins}) == 3
+                                "--levels 80x80 --N 1 --Lq 300 --order shuffled",
+                                "--levels 100x167,50x84 --N 1 --Lq 300", "--levels 100x167,18x42 --N 1 --Lq 300",
+                                "--levels 80x80 --N 1 --Lq 300 --D 64"])
+    assert len({s.name for s in twins}) == 6
+    assert twins[-1].name == "80x80-N1-Lq300-P4-M8-D64-local-sorted"
     assert (shapes[1].N, shapes[1].Lq, shapes[1].levels) == (16, 900, [(100, 167), (50, 84)])
     assert tune.shapes_of([], [])[:] == []
 
