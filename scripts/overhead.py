@@ -66,9 +66,8 @@ print(f"{import_s:.3f} {time.perf_counter() - t0:.4f}")
 
 
 def level_tables(device="cuda"):
-    shapes = torch.tensor(LEVELS, device=device)
-    starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
-    return shapes, starts, int((shapes[:, 0] * shapes[:, 1]).sum())
+    shapes, starts = bench_layer.level_tables(LEVELS, device)
+    return shapes, starts, sum(h * w for h, w in LEVELS)
 
 
 def cmd_compile(args):
@@ -341,17 +340,15 @@ def cmd_smoke(args):
     def run(levels, N, Lq, M, D, dtype, low, high):
         """One launch on fresh inputs (locations uniform on [low, high]): its configuration and its relative
         error against the float64 reference."""
-        shapes = torch.tensor(levels, device="cuda")
-        pixels = shapes[:, 0] * shapes[:, 1]
-        starts = torch.cat([pixels.new_zeros(1), pixels.cumsum(0)[:-1]])
-        value = torch.randn(N, int(pixels.sum()), M, D, device="cuda").to(dtype)
+        shapes, starts = bench_layer.level_tables(levels, "cuda")
+        value = torch.randn(N, sum(h * w for h, w in levels), M, D, device="cuda").to(dtype)
         loc = torch.rand(N, Lq, M, len(levels), 4, 2, device="cuda") * (high - low) + low
         attn = torch.rand(N, Lq, M, len(levels), 4, device="cuda")
         cfg = launch_rules.launched_config(interface.config_for(value, loc, attn), N, Lq, value.shape[1], {})
         out = interface.msda_forward(value, shapes, starts, loc, attn)
         torch.cuda.synchronize()
         ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-        return cfg, ((out.double() - ref).norm() / ref.norm()).item()
+        return cfg, bench_layer.rel_err(out, ref)
 
     torch.manual_seed(0)
     worst = 0.0
@@ -360,7 +357,7 @@ def cmd_smoke(args):
         worst = max(worst, err)
         print(f"smoke D={D} {dtype}: rel err {err:.2e}")
     # A decoder on one image (Deformable DETR's levels, 300 queries): the short-range launch (launch_rules.SHORT_RANGES).
-    cfg, err = run([(100, 167), (50, 84), (25, 42), (13, 21)], 1, 300, 8, 32, torch.float16, 0.0, 1.0)
+    cfg, err = run(LEVELS, 1, 300, 8, 32, torch.float16, 0.0, 1.0)
     assert cfg.vector_bytes == 8 and cfg.num_groups == 4 and cfg.cluster_size == 1, cfg
     worst = max(worst, err)
     print(f"smoke decoder N=1 Lq=300 (short ranges): rel err {err:.2e}")

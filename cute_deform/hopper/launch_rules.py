@@ -248,10 +248,15 @@ def static_tuning(tuning: dict) -> dict:
     return {k: v for k, v in tuning.items() if k not in LAUNCH_KNOBS}
 
 
+def query_blocks(cfg, Lq: int) -> int:
+    """The tiles of one (image, head) segment: blocks of cfg.queries_per_tile queries, the last one partial."""
+    return -(-Lq // cfg.queries_per_tile)
+
+
 def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float,
                  align: float = 0.0):
     """The tile schedule of one launch of the tiled kernel (tile_scheduler.plan)."""
-    blocks = -(-Lq // cfg.queries_per_tile)
+    blocks = query_blocks(cfg, Lq)
     clusters = grid // cfg.cluster_size
     slice_bytes = S * cfg.head_dim * cfg.itemsize
     return tile_scheduler.plan(
@@ -262,8 +267,7 @@ def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_
 def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window: float, align: float = 0.0):
     """The grid of a launch of the tiled kernel (whole clusters, at most the CTAs the GPU holds at once)
     and its schedule."""
-    blocks = -(-Lq // cfg.queries_per_tile)
-    grid = min(N * cfg.num_heads * blocks, sms * cfg.ctas_per_sm)
+    grid = min(N * cfg.num_heads * query_blocks(cfg, Lq), sms * cfg.ctas_per_sm)
     grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window, align)
 
@@ -273,7 +277,7 @@ def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, 
     """Whether single CTAs can each take one whole segment, with no more tiles than a CTA of a cluster of
     cfg.cluster_size takes in cfg's launch (grid, schedule: whole segments)."""
     segments = N * cfg.num_heads
-    blocks = -(-Lq // cfg.queries_per_tile)
+    blocks = query_blocks(cfg, Lq)
     ranges = grid // cfg.cluster_size * schedule.rounds
     pair_tiles = -(-segments // ranges) * schedule.rounds * blocks / cfg.cluster_size
     single_grid, single_schedule = grid_and_schedule(dataclasses.replace(cfg, cluster_size=1), N, Lq, S, sms,
@@ -357,7 +361,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
                                            align)
     short = (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
              and given_window is None and _short_ranges_measured(cfg, permuted)
-             and N * cfg.num_heads * -(-Lq // cfg.queries_per_tile) <= SHORT_RANGE_TILES * grid)
+             and N * cfg.num_heads * query_blocks(cfg, Lq) <= SHORT_RANGE_TILES * grid)
     if short:
         # ... and over short ranges, SHORT_RANGES in one round. H100, session 30, tune.py, two runs in opposite
         # orders, µs, fp16 value around random reference points, the single-CTA launch -> SHORT_RANGES:
