@@ -43,7 +43,7 @@ VARIANTS = {
     "no multicast": lambda: KernelConfig(*SHAPE, **{**launch_rules.TUNING, "cluster_size": 1}),
     "generic": lambda: GenericConfig(*SHAPE),
 }
-LEVELS = [(100, 167), (50, 84), (25, 42), (13, 21)]
+LEVELS = bench_layer.COCO_LEVELS
 OP_N, OP_LQ, OP_M, OP_P, OP_D = 1, 64, 8, 4, 32  # op-layer: a tiny decoder call, where the host side dominates
 
 FIRST_CALL = r"""
@@ -51,7 +51,7 @@ import time, torch
 t0 = time.perf_counter()
 import cute_deform
 import_s = time.perf_counter() - t0
-shapes = torch.tensor([(100, 167), (50, 84), (25, 42), (13, 21)], device="cuda")
+shapes = torch.tensor(LEVELS, device="cuda")
 starts = torch.cat([shapes.new_zeros(1), (shapes[:, 0] * shapes[:, 1]).cumsum(0)[:-1]])
 S = int((shapes[:, 0] * shapes[:, 1]).sum())
 value = torch.randn(1, S, 8, 32, device="cuda", dtype=torch.float16)
@@ -62,7 +62,7 @@ t0 = time.perf_counter()
 torch.ops.cute_deform.forward(value, shapes, starts, loc, attn)
 torch.cuda.synchronize()
 print(f"{import_s:.3f} {time.perf_counter() - t0:.4f}")
-"""
+""".replace("LEVELS", repr(LEVELS))
 
 
 def level_tables(device="cuda"):
@@ -123,7 +123,7 @@ def layer_calls():
     """bench_layer.py's Deformable DETR encoder layer (fp16 weights, a padding mask) and each of its launches
     alone, as named callables: where the eager layer's host time goes."""
     layer, (query, ref, flat, shapes, starts, mask) = bench_layer.encoder_layer(
-        bench_layer.COCO_LEVELS, 256, 8, 4, 2, torch.float16, "cuda", torch.Generator().manual_seed(0))
+        LEVELS, 256, 8, 4, 2, torch.float16, "cuda", torch.Generator().manual_seed(0))
     N, S, _ = flat.shape
     value = layer.value_proj(flat)
     offsets = layer.sampling_offsets(query).view(N, S, 8, 4, 4, 2)
