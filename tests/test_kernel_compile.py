@@ -53,10 +53,10 @@ VARIANTS = [
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
     # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines, and keep the levels other than
-    # the finest in L2 (evict-last).
+    # the finest in L2 (evict-last); the output rows are stored evict-first.
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
-                            segment_cost=4)),
+                            segment_cost=4, output_evict_first=True)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
     # evicted from L1 first, the first tiles' inputs issued before the prologue), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
@@ -87,7 +87,7 @@ VARIANTS = [
     # ... and two samples' loads at once at three levels (Mask2Former's pixel decoder).
     ("two-samples-three-levels", tiled("float16", "float32", "float32", 8, 3, 4, 32, cluster_size=1, num_groups=7,
                                        producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
-                                       segment_cost=4, gather_batch=2)),
+                                       segment_cost=4, gather_batch=2, output_evict_first=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -112,7 +112,7 @@ def evict_first_copies(ptx):
     """Bulk copies whose L2 cache-hint operand holds the inputs' evict-first policy."""
     constants = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
     hints = re.findall(r"^\s*cp\.async\.bulk\.\S*L2::cache_hint .*, (%rd\d+);", ptx, re.M)
-    return sum(constants.get(reg) == str(kernel.INPUTS_L2_POLICY) for reg in hints)
+    return sum(constants.get(reg) == str(kernel.L2_EVICT_FIRST) for reg in hints)
 
 
 def configs_of(name):
@@ -179,6 +179,13 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     # Each tile's inputs are read once: their copies carry an L2 cache policy (evict first); the staging
     # loads of value do not.
     assert evict_first_copies(ptx) == loads - cfg.num_levels + rows
+    # The output rows: one store a thread and tile, with the evict-first policy where output_evict_first.
+    stores = re.findall(r"^\s*st\.global(\.L2::cache_hint)?(?:\.v\d)?\.\w+\s+\[[^\]]*\],\s*[^;]*?(?:\},\s*(%rd\d+))?;", ptx, re.M)
+    assert len(stores) == 1, stores
+    hinted, policy = stores[0]
+    assert bool(hinted) == cfg.output_evict_first
+    if hinted:
+        assert constants.get(policy) == str(kernel.L2_EVICT_FIRST)
     # Staged pixels (and boxes) are read as vectors of cfg.vector_bytes.
     assert f"ld.shared{vec}.b32" in ptx
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
@@ -310,7 +317,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                            line_prefetch=True, coarse_evict_last=True, segment_cost=4),
+                                            line_prefetch=True, coarse_evict_last=True, segment_cost=4,
+                                            output_evict_first=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
@@ -366,9 +374,10 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
     # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
     # the levels other than the finest evict-last in L2; up to 16 samples a query, a segment's start counts
-    # for four tiles
+    # for four tiles, and the output rows are stored evict-first in L2
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                              line_prefetch=True, coarse_evict_last=True, segment_cost=4)),
+                                              line_prefetch=True, coarse_evict_last=True, segment_cost=4,
+                                              output_evict_first=True)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
@@ -576,11 +585,12 @@ def test_aligned_rounds_are_the_fewest_within_the_tolerance():
 def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     """fp16 encoders without the order table take single CTAs in any number of rounds, each round's
     (image, head) slices within half of L2 (detr shapes: two images in one round); only one round keeps
-    the coarser levels evict-last in L2."""
+    the coarser levels evict-last in L2 and stores the output evict-first."""
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
     assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
-                           **(dict(coarse_evict_last=True, segment_cost=4) if rounds == 1 else {}))
+                           **(dict(coarse_evict_last=True, segment_cost=4, output_evict_first=True)
+                              if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 

@@ -119,6 +119,9 @@ class KernelConfig(ProblemConfig):
     # value a weight times a corner weight must stay in fp16's range (any softmax or sigmoid weight does), as in
     # the original kernel's half arithmetic. A launch rule (launch_rules.choose_launch, which has the measurements).
     half_sums: int = 0
+    # The output rows are stored with the L2 evict-first policy: they are not read again, and with the default
+    # policy they push value's lines out of L2. A launch rule (launch_rules.choose_launch, which has the measurements).
+    output_evict_first: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -23,6 +23,7 @@ try:
     import cutlass
     import cutlass.cute as cute
     import cutlass.memory
+    from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import cpasync
     from cutlass.experimental import primitives as prims
     from cutlass.experimental.cuda import tensor_map
@@ -40,8 +41,9 @@ DTYPES = {}
 # Pixels of one head a TMA prefetch box covers (KernelConfig.prefetch_levels): the most a box dimension takes.
 PREFETCH_BOX_PIXELS = 256
 # The L2 eviction policy of the tile inputs' copies (the createpolicy encoding CUTLASS names EVICT_FIRST):
-# each row is read once, and with the default policy the stream of them pushed value out of L2.
-INPUTS_L2_POLICY = 0x12F0000000000000
+# each row is read once, and with the default policy the stream of them pushed value out of L2. The output's
+# stores take it too where KernelConfig.output_evict_first.
+L2_EVICT_FIRST = 0x12F0000000000000
 # The L2 policy of the gathers of the levels other than the finest where KernelConfig.coarse_evict_last
 # (the encoding CUTLASS names EVICT_LAST).
 L2_EVICT_LAST = 0x14F0000000000000
@@ -469,7 +471,7 @@ class MSDAForward:
         """One tile's rows of locations and weights (or offsets and logits): two TMA boxes; or, through the
         order table, lane j copies the rows of the tile's queries j, j + 32, ... with two bulk copies each
         (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel). Either way L2
-        evicts them first (INPUTS_L2_POLICY)."""
+        evicts them first (L2_EVICT_FIRST)."""
         full = rings.acquire(state)
         loc_stage, attn_stage = sLoc[None, state.index], sAttn[None, state.index]
         if cutlass.const_expr(self.permuted):
@@ -496,14 +498,14 @@ class MSDAForward:
         dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
                                          cute.group_modes(src, 0, 4))
-        cute.copy(atom, tIg, tIs, tma_bar_ptr=full, cache_policy=cutlass.Int64(INPUTS_L2_POLICY))
+        cute.copy(atom, tIg, tIs, tma_bar_ptr=full, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
     def copy_row(self, tensor, dst, row, per_query: int, full):
         """Row `row` of an (N*Lq*M, per_query) input to dst in shared memory: one bulk copy."""
         src = row_pointer(tensor, row, per_query, 0, per_query)
         prims.cp_async_bulk_shared_cluster_global(dst, src, full, per_query * (tensor.element_type.width // 8),
-                                                  l2_cache_hint=cutlass.Int64(INPUTS_L2_POLICY))
+                                                  l2_cache_hint=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
     def publish_box_maps(self, g, box_template, mValue, mDesc, storage, sizes, starts, bidx):
@@ -642,10 +644,14 @@ class MSDAForward:
                     if active and q < Lq:
                         if sLevels[self.L, 0] == 0:
                             acc.fill(cutlass.Float32(float("nan")))
-                        out = cute.make_tensor(row_pointer(mOut, cutlass.Int64(n) * Lq + qc, self.M * self.D,
-                                                           m * self.D + chunk * self.C, self.C),
-                                               cute.make_layout(self.C))
-                        out.store(acc.load().to(mOut.element_type))
+                        out_ptr = row_pointer(mOut, cutlass.Int64(n) * Lq + qc, self.M * self.D,
+                                              m * self.D + chunk * self.C, self.C)
+                        if cutlass.const_expr(self.cfg.output_evict_first):
+                            nvvm.store_ext(acc.load().to(mOut.element_type).ir_value(), out_ptr.llvm_ptr,
+                                           l2_cache_hint=cutlass.Int64(L2_EVICT_FIRST).ir_value())
+                        else:
+                            out = cute.make_tensor(out_ptr, cute.make_layout(self.C))
+                            out.store(acc.load().to(mOut.element_type))
                 t = seg_end
                 segment += 1
 

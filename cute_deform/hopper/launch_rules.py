@@ -85,9 +85,9 @@ SEGMENT_COST = 4
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
-    whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, and line_prefetch)
-    where one round of long ranges runs, and to the order table (batched gathers) for large problems. (Rarer
-    combinations compile when first met.)"""
+    whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
+    output_evict_first at up to 16 samples a query) where one round of long ranges runs, and to the order table
+    (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
 
@@ -123,6 +123,8 @@ def launch_variants(cfg) -> list:
                 one_round["segment_cost"] = SEGMENT_COST
             if _short_ranges_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
                 out.append(dataclasses.replace(cfg, **{**single, **one_round, **SHORT_RANGES, "line_prefetch": False}))
+            if cfg.level_points <= 16:  # ... and over long ranges, the output's stores evict-first in L2
+                one_round["output_evict_first"] = True
             few_levels = batch(False, False, True)
             if few_levels > 1:  # ... and two samples' loads at once at two or three levels
                 one_round["gather_batch"] = few_levels
@@ -447,6 +449,19 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
+    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1 and not short
+            and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "output_evict_first" not in fixed):
+        # One round of single CTAs over long ranges at up to 16 samples a query (the encoders): the output rows are
+        # stored evict-first in L2, so that they do not push out value's lines, which these launches read again.
+        # Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores (means):
+        # H100: detr-encoder 126.6 -> 126.1, -init 116.0 -> 115.1, mask2former-encoder 112.9 -> 110.7,
+        # mask2former-cityscapes 129.3 -> 127.1; bf16 -init 120.4 -> 118.6, mask2former-encoder 115.2 -> 113.9 (one
+        # run). H200 (one call): tied (detr-encoder 121.0 -> 121.4, -init 110.9 -> 111.1, mask2former-encoder 103.2 ->
+        # 103.5, Cityscapes 117.2 -> 116.5). Not taken: P = 8 (dcnv4-test 83.7 -> 84.1 on the H100), short ranges
+        # (RT-DETR's decoder at N=4: 15.5 / 15.4 -> 15.6 / 16.2), several rounds (bev-self-attention, one level over
+        # a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen the rule) and the
+        # launches that tied (decoders, seed-b48).
+        changes["output_evict_first"] = True
     if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
             and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
