@@ -88,6 +88,9 @@ VARIANTS = [
     ("two-samples-three-levels", tiled("float16", "float32", "float32", 8, 3, 4, 32, cluster_size=1, num_groups=7,
                                        producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
                                        segment_cost=4, gather_batch=2, output_evict_first=True)),
+    # The fused kernel's encoder launch (fp16 offsets and logits): six groups, the output rows stored evict-first.
+    ("fused-encoder", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, cluster_size=1, num_groups=6,
+                            producers=1, split_setup=False, output_evict_first=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -662,11 +665,14 @@ def test_p4_launches_alternate_the_level_order():
 
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
+    # fp16/bf16 value in one round: the output rows stored evict-first in L2 too.
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
-    cfg = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
-    assert launch_of(cfg, 2, 22223, 22223)[0] == six
-    assert dataclasses.replace(cfg, **six) in launch_rules.launch_variants(cfg)
-    # fp32 too, in one round (N = 2) or several (N = 4).
+    for value in ("float16", "bfloat16"):
+        cfg = tiled(value, value, value, 8, 4, 4, 32, fused=True)
+        assert launch_of(cfg, 2, 22223, 22223)[0] == dict(six, output_evict_first=True)
+        assert dataclasses.replace(cfg, **six, output_evict_first=True) in launch_rules.launch_variants(cfg)
+        assert "output_evict_first" not in launch_of(cfg, 2, 22223, 22223, fixed={"output_evict_first"})[0]
+    # fp32 too, in one round (N = 2) or several (N = 4), with plain stores.
     fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
     assert launch_of(fp32, 2, 22223, 22223)[0] == six
     changes, _, schedule = launch_of(fp32, 4, 22223, 22223)

@@ -86,7 +86,7 @@ def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
-    output_evict_first at up to 16 samples a query) where one round of long ranges runs, and to the order table
+    output_evict_first at up to 16 samples a query, fused or not) where one round of long ranges runs, and to the order table
     (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
@@ -131,6 +131,9 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value: SHORT_RANGES, without the cache-hint rules
             out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))
+        if (not _hints_measured(cfg, cfg.permuted) and _output_policy_measured(cfg, cfg.permuted)
+                and cfg.level_points <= 16):  # the fused kernel over one round of long ranges: evict-first stores
+            out.append(dataclasses.replace(cfg, **single, output_evict_first=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
             out.append(dataclasses.replace(cfg, **single, l1_first=True))
         out.append(dataclasses.replace(cfg, **single))
@@ -187,6 +190,12 @@ def _hints_measured(cfg, permuted: bool) -> bool:
     """The launches the cache-hint rules (line_prefetch, finest_evict_first, coarse_evict_last) were measured
     on: fp16/bf16 value, unfused, L1 gathers, without the order table."""
     return cfg.packed_math and not cfg.fused and cfg.fine_gather == "ldg" and not permuted
+
+
+def _output_policy_measured(cfg, permuted: bool) -> bool:
+    """The kernels output_evict_first was measured on: fp16/bf16 value, L1 gathers, without the order table, fused or
+    not."""
+    return cfg.packed_math and cfg.fine_gather == "ldg" and not permuted
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -450,9 +459,12 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
     if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1 and not short
-            and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "output_evict_first" not in fixed):
-        # One round of single CTAs over long ranges at up to 16 samples a query (the encoders): the output rows are
-        # stored evict-first in L2, so that they do not push out value's lines, which these launches read again.
+            and _output_policy_measured(cfg, permuted) and cfg.level_points <= 16 and "output_evict_first" not in fixed):
+        # One round of single CTAs over long ranges at up to 16 samples a query (the encoders, fused or not): the
+        # output rows are stored evict-first in L2, so that they do not push out value's lines, which these launches
+        # read again. The fused kernel (the layer's; DETR's levels, N=2, Lq=S, out/ script, both orders): H100 fp16
+        # 137.8 -> 136.2 and 137.8 -> 136.5, bf16 142.3 -> 140.2 and 141.5 -> 140.1; H200 fp16 131.8 -> 130.6, bf16
+        # 136.9 -> 135.5.
         # Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores (means):
         # H100: detr-encoder 126.6 -> 126.1, -init 116.0 -> 115.1, mask2former-encoder 112.9 -> 110.7,
         # mask2former-cityscapes 129.3 -> 127.1; bf16 -init 120.4 -> 118.6, mask2former-encoder 115.2 -> 113.9 (one
