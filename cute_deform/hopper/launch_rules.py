@@ -86,8 +86,8 @@ def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
-    output_evict_first at up to 16 samples a query, fused or not) where one round of long ranges runs, and to the order table
-    (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
+    output_evict_first at up to 16 samples a query, fused or not) where one round of long ranges runs, and to the
+    order table (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
 
@@ -114,26 +114,25 @@ def launch_variants(cfg) -> list:
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg, cfg.permuted))
         first = len(out)
+        one_round = {}  # choose_launch's rules for one round of single CTAs over long ranges
         if _hints_measured(cfg, cfg.permuted):
             single["line_prefetch"] = True  # choose_launch's rule for single CTAs over long ranges
             # ... and over one round, the coarser L1 levels evict-last in L2 (up to 16 samples a query, with
             # each segment's start counted as SEGMENT_COST tiles)
-            one_round = dict(coarse_evict_last=True)
+            one_round["coarse_evict_last"] = True
             if cfg.level_points <= 16:
                 one_round["segment_cost"] = SEGMENT_COST
             if _short_ranges_measured(cfg, cfg.permuted):  # ... and over short ranges, SHORT_RANGES
                 out.append(dataclasses.replace(cfg, **{**single, **one_round, **SHORT_RANGES, "line_prefetch": False}))
-            if cfg.level_points <= 16:  # ... and over long ranges, the output's stores evict-first in L2
-                one_round["output_evict_first"] = True
             few_levels = batch(False, False, True)
             if few_levels > 1:  # ... and two samples' loads at once at two or three levels
                 one_round["gather_batch"] = few_levels
+        elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value and the fused kernel: SHORT_RANGES, without the
+            out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))  # cache-hint rules
+        if _output_policy_measured(cfg, cfg.permuted) and cfg.level_points <= 16:  # the output evict-first in L2
+            one_round["output_evict_first"] = True
+        if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
-        elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value: SHORT_RANGES, without the cache-hint rules
-            out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))
-        if (not _hints_measured(cfg, cfg.permuted) and _output_policy_measured(cfg, cfg.permuted)
-                and cfg.level_points <= 16):  # the fused kernel over one round of long ranges: evict-first stores
-            out.append(dataclasses.replace(cfg, **single, output_evict_first=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
             out.append(dataclasses.replace(cfg, **single, l1_first=True))
         out.append(dataclasses.replace(cfg, **single))
@@ -443,39 +442,38 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -> 117.9 / 118.2) and pairs over four segments each (N=32 Lq=300 103.5 -> 119.2, every level
         # prefetched in that run); prefetching before the staging's copies lost (detr-decoder 60.4 / 59.7).
         changes["prefetch_levels"] = True
-    if (changes.get("cluster_size") == 1 and not schedule.whole and not short
-            and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed):
+    # Single CTAs over long ranges (the encoders), and over one round of them: the cache-policy rules' launches.
+    long_ranges = changes.get("cluster_size") == 1 and not schedule.whole
+    one_round_long = long_ranges and schedule.rounds == 1
+    if long_ranges and not short and _hints_measured(cfg, permuted) and "line_prefetch" not in fixed:
         # Single CTAs over long ranges (encoders, dcnv4-test): whole-line L2 fetches won 1-2.5%
         # (detr-encoder 130.5 -> 129.1, -init 121.0 -> 117.9, dcnv4-test 84.2 -> 83.3 us, two runs,
         # H100); where rows are scattered (decoders) the other half of each line is waste (detr-decoder
         # 64.2 -> 71.6).
         changes["line_prefetch"] = True
-    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
-            and _hints_measured(cfg, permuted) and "coarse_evict_last" not in fixed):
+    if one_round_long and _hints_measured(cfg, permuted) and "coarse_evict_last" not in fixed:
         # One round of them: the unstaged levels other than the finest stay in L2 (evict-last; over several
         # rounds they would hold L2 against the next round's slices, unmeasured). Four runs, two calls, H100:
         # dcnv4-test 88.0-89.0 -> 85.0-86.0 us; the encoders tied (detr-encoder 128.7-129.6 -> 128.4-129.3,
         # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
-    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1 and not short
-            and _output_policy_measured(cfg, permuted) and cfg.level_points <= 16 and "output_evict_first" not in fixed):
+    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and cfg.level_points <= 16
+            and "output_evict_first" not in fixed):
         # One round of single CTAs over long ranges at up to 16 samples a query (the encoders, fused or not): the
         # output rows are stored evict-first in L2, so that they do not push out value's lines, which these launches
-        # read again. The fused kernel (the layer's; DETR's levels, N=2, Lq=S, out/ script, both orders): H100 fp16
-        # 137.8 -> 136.2 and 137.8 -> 136.5, bf16 142.3 -> 140.2 and 141.5 -> 140.1; H200 fp16 131.8 -> 130.6, bf16
-        # 136.9 -> 135.5.
-        # Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores (means):
+        # read again. Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores (means):
         # H100: detr-encoder 126.6 -> 126.1, -init 116.0 -> 115.1, mask2former-encoder 112.9 -> 110.7,
         # mask2former-cityscapes 129.3 -> 127.1; bf16 -init 120.4 -> 118.6, mask2former-encoder 115.2 -> 113.9 (one
         # run). H200 (one call): tied (detr-encoder 121.0 -> 121.4, -init 110.9 -> 111.1, mask2former-encoder 103.2 ->
-        # 103.5, Cityscapes 117.2 -> 116.5). Not taken: P = 8 (dcnv4-test 83.7 -> 84.1 on the H100), short ranges
+        # 103.5, Cityscapes 117.2 -> 116.5). The fused kernel (the layer's; DETR's levels, N=2, Lq=S, out/ script,
+        # both orders): H100 fp16 137.8 -> 136.2 and 137.8 -> 136.5, bf16 142.3 -> 140.2 and 141.5 -> 140.1; H200 fp16
+        # 131.8 -> 130.6, bf16 136.9 -> 135.5. Not taken: P = 8 (dcnv4-test 83.7 -> 84.1 on the H100), short ranges
         # (RT-DETR's decoder at N=4: 15.5 / 15.4 -> 15.6 / 16.2), several rounds (bev-self-attention, one level over
         # a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen the rule) and the
         # launches that tied (decoders, seed-b48).
         changes["output_evict_first"] = True
-    if (changes.get("cluster_size") == 1 and not schedule.whole and schedule.rounds == 1
-            and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
+    if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
         # One round of them at up to 16 samples a query (detr-encoder, -init): a segment's start counts for
         # four tiles, so the ranges that cross into a new (image, head), which wait there for every group
