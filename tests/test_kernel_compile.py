@@ -56,7 +56,7 @@ VARIANTS = [
     # the finest in L2 (evict-last); the output rows are stored evict-first.
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
-                            segment_cost=4, output_evict_first=True)),
+                            segment_cost=4, output_evict_first=True, staged_addresses=True)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
     # evicted from L1 first, the first tiles' inputs issued before the prologue), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
@@ -87,10 +87,12 @@ VARIANTS = [
     # ... and two samples' loads at once at three levels (Mask2Former's pixel decoder).
     ("two-samples-three-levels", tiled("float16", "float32", "float32", 8, 3, 4, 32, cluster_size=1, num_groups=7,
                                        producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
-                                       segment_cost=4, gather_batch=2, output_evict_first=True)),
-    # The fused kernel's encoder launch (fp16 offsets and logits): six groups, the output rows stored evict-first.
+                                       segment_cost=4, gather_batch=2, output_evict_first=True,
+                                       staged_addresses=True)),
+    # The fused kernel's encoder launch (fp16 offsets and logits): six groups, the output rows stored evict-first,
+    # the staged corners' addresses selected.
     ("fused-encoder", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, cluster_size=1, num_groups=6,
-                            producers=1, split_setup=False, output_evict_first=True)),
+                            producers=1, split_setup=False, output_evict_first=True, staged_addresses=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -191,6 +193,11 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         assert constants.get(policy) == str(kernel.L2_EVICT_FIRST)
     # Staged pixels (and boxes) are read as vectors of cfg.vector_bytes.
     assert f"ld.shared{vec}.b32" in ptx
+    # staged_addresses: each staged sample's two corners of the next column load at their first column's
+    # address plus one pixel (an immediate offset), in the one copy of every level's staged reads.
+    pixel_bytes = cfg.head_dim * cfg.itemsize
+    next_column = re.findall(rf"ld\.shared{vec}\.b32\s+\{{[^}}]*\}}, \[%r\d+\+{pixel_bytes}\];", ptx)
+    assert len(next_column) == (2 * cfg.num_levels * cfg.num_points if cfg.staged_addresses else 0)
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
     if cfg.value_dtype == "float16":
         assert re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx)
@@ -321,7 +328,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                            output_evict_first=True),
+                                            output_evict_first=True, staged_addresses=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
@@ -377,10 +384,11 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
     # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
     # the levels other than the finest evict-last in L2; up to 16 samples a query, a segment's start counts
-    # for four tiles, and the output rows are stored evict-first in L2
+    # for four tiles, the output rows are stored evict-first in L2, and (at up to four points a level) staged
+    # corners select their byte addresses
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                               line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                              output_evict_first=True)),
+                                              output_evict_first=True, staged_addresses=True)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
@@ -592,8 +600,8 @@ def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
     assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
-                           **(dict(coarse_evict_last=True, segment_cost=4, output_evict_first=True)
-                              if rounds == 1 else {}))
+                           **(dict(coarse_evict_last=True, segment_cost=4, output_evict_first=True,
+                                   staged_addresses=True) if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
@@ -666,12 +674,17 @@ def test_p4_launches_alternate_the_level_order():
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
     # fp16/bf16 value in one round: the output rows stored evict-first in L2 too.
+    # At four points a level the staged corners select their byte addresses (not at eight).
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
     for value in ("float16", "bfloat16"):
         cfg = tiled(value, value, value, 8, 4, 4, 32, fused=True)
-        assert launch_of(cfg, 2, 22223, 22223)[0] == dict(six, output_evict_first=True)
-        assert dataclasses.replace(cfg, **six, output_evict_first=True) in launch_rules.launch_variants(cfg)
-        assert "output_evict_first" not in launch_of(cfg, 2, 22223, 22223, fixed={"output_evict_first"})[0]
+        one_round = dict(six, output_evict_first=True, staged_addresses=True)
+        assert launch_of(cfg, 2, 22223, 22223)[0] == one_round
+        assert dataclasses.replace(cfg, **one_round) in launch_rules.launch_variants(cfg)
+        for knob in ("output_evict_first", "staged_addresses"):
+            assert knob not in launch_of(cfg, 2, 22223, 22223, fixed={knob})[0]
+        eight = tiled(value, value, value, 8, 4, 8, 32, fused=True)
+        assert "staged_addresses" not in launch_of(eight, 2, 22223, 22223)[0]
     # fp32 too, in one round (N = 2) or several (N = 4), with plain stores.
     fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
     assert launch_of(fp32, 2, 22223, 22223)[0] == six

@@ -37,6 +37,9 @@ VARIANTS = {
     # 8-byte vectors a thread: twice the threads a query, half the queries a tile (the launch rule for CTA
     # pairs over whole segments of 64-byte head rows; here forced on every case's shape).
     "vectors8": dict(vector_bytes=8),
+    # Staged corners' byte addresses selected against the zero pixel's (the encoders' launch rule at up to four
+    # points a level; here forced on the grid's small, odd levels, H = 1 and W = 1 among them).
+    "staged_addresses": dict(cluster_size=1, num_groups=7, producers=1, staged_addresses=True),
 }
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
 BATCH, QUERIES, FUSED_QUERIES = 2, 77, 53  # every grid case's problem size (with its levels)
@@ -69,6 +72,8 @@ def cases():
     # 8-byte vectors (8, 16 or 4 threads a query), packed and fp32.
     for vname, D in (("fp16", 32), ("bf16", 32), ("fp16", 64), ("fp32", 32), ("bf16", 16)):
         out.append(dict(value=vname, loc="fp32", D=D, L=4, P=4, M=8, variant="vectors8"))
+    for vname, D, P in (("fp16", 32, 4), ("bf16", 32, 4), ("fp32", 32, 4), ("fp16", 64, 2), ("fp16", 16, 8)):
+        out.append(dict(value=vname, loc="fp32", D=D, L=4, P=P, M=8, variant="staged_addresses"))
     return out
 
 
@@ -153,7 +158,10 @@ FUSED = ([dict(value=v, ref_dims=r, D=32, L=4, P=4, variant=var)
          + [dict(value="fp16", ref_dims=r, D=D, L=L, P=P, variant="default")
             for r, (D, L, P) in itertools.product((2, 4), ((48, 3, 3), (30, 2, 5)))]
          # the order table at 8 points a level: the fused launch's half sums (KernelConfig.half_sums)
-         + [dict(value=v, ref_dims=2, D=32, L=4, P=8, variant="reorder") for v in ("fp16", "bf16")])
+         + [dict(value=v, ref_dims=2, D=32, L=4, P=8, variant="reorder") for v in ("fp16", "bf16")]
+         # the staged corners' addresses selected (the fused encoders' launch rule)
+         + [dict(value=v, ref_dims=r, D=32, L=4, P=4, variant="staged_addresses")
+            for v, r in (("fp16", 2), ("bf16", 4), ("fp32", 2))])
 
 
 def fused_case_id(c):
@@ -361,6 +369,34 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     assert cfg.cluster_size == 1 and cfg.segment_cost > 0
     outs = within_reference((value, shapes, starts, loc, attn), ({}, dict(segment_cost=0)))
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+def test_staged_addresses_read_the_same_corners(gen, value_dtype):
+    """detr-encoder's launch selects its staged corners' byte addresses (staged_addresses): with locations on and past
+    the levels' borders, NaN and inf among them, and inf and NaN among value's pixels, its output is bitwise the
+    launch's without it, NaN and inf where that has them, and the finite rest within the bound of float64."""
+    levels = DETR_LEVELS
+    S = pixels(levels)
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,
+                                                   dtype=torch.float32)
+    loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
+    pick = torch.rand(value.shape[:2], generator=gen)
+    value = torch.where((pick < 2e-4)[..., None, None], torch.inf, torch.where((pick > 1 - 2e-4)[..., None, None],
+                                                                               torch.nan, value))
+    value, loc, attn = value.to(value_dtype).cuda(), loc.cuda(), attn.cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
+    assert cfg.cluster_size == 1 and cfg.staged_addresses
+    outs = []
+    for tuning in ({}, dict(staged_addresses=False)):
+        poison_allocator(value.numel() * 4)
+        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(outs[0]).any() and torch.isinf(outs[0]).any()
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    finite = torch.isfinite(outs[0]) & torch.isfinite(ref)
+    assert finite.float().mean() > 0.5 and finite_rel_err(outs[0][finite], ref[finite]) <= BOUND[value_dtype]
 
 
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])

@@ -122,6 +122,10 @@ class KernelConfig(ProblemConfig):
     # The output rows are stored with the L2 evict-first policy: they are not read again, and with the default
     # policy they push value's lines out of L2. A launch rule (launch_rules.choose_launch, which has the measurements).
     output_evict_first: bool = False
+    # Staged corners select between their byte address and the zero pixel's, the column step an immediate offset
+    # of the load (sampling.staged_corners): the same loads in fewer instructions, which changes how ptxas
+    # schedules the loop. A launch rule (launch_rules.choose_launch, which has the measurements).
+    staged_addresses: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -750,7 +750,8 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
-                top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels)
+                top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels,
+                                                  self.cfg.staged_addresses)
                 self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
 
     @cute.jit

@@ -86,7 +86,8 @@ def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
-    output_evict_first at up to 16 samples a query, fused or not) where one round of long ranges runs, and to the
+    output_evict_first at up to 16 samples a query, fused or not, with staged_addresses at up to four points a level) where
+    one round of long ranges runs, and to the
     order table (batched gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
@@ -131,6 +132,8 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))  # cache-hint rules
         if _output_policy_measured(cfg, cfg.permuted) and cfg.level_points <= 16:  # the output evict-first in L2
             one_round["output_evict_first"] = True
+            if cfg.num_points <= 4:  # ... and the staged corners' addresses selected
+                one_round["staged_addresses"] = True
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
@@ -473,6 +476,17 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen the rule) and the
         # launches that tied (decoders, seed-b48).
         changes["output_evict_first"] = True
+    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and cfg.num_points <= 4
+            and cfg.level_points <= 16 and "staged_addresses" not in fixed):
+        # ... and at up to four points a level, the staged corners' byte addresses selected against the zero pixel's
+        # (bitwise the same sums). Session 33, tune.py and the fused kernel's out/ script, both orders, µs, the launch ->
+        # staged_addresses: the fused kernel (DETR's levels, N=2, Lq=S) H100 fp16 136.4 / 136.3 -> 130.2 / 130.3, bf16
+        # 139.6 / 140.0 -> 133.4 / 133.4; unfused, H200: detr-encoder 121.4 / 121.5 -> 121.1 / 120.7, -init 110.5 /
+        # 110.8 -> 109.9 / 109.7, mask2former-encoder 103.2 / 103.0 -> 100.5 / 99.9; H100 (four runs): tied
+        # (detr-encoder 126.0 -> 126.0, -init 114.6 -> 114.4, mask2former-encoder 109.7 -> 109.3, means). Not taken:
+        # P = 8 (dcnv4-test 83.8 / 83.7 -> 88.6 / 88.1 on the H100, 83.0 -> 87.1 on the H200) and whole segments (the
+        # decoders tied: detr-decoder 57.4 -> 57.0 on the H100, decoder-b16 42.4 -> 43.0 on the H200).
+        changes["staged_addresses"] = True
     if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
         # One round of them at up to 16 samples a query (detr-encoder, -init): a segment's start counts for

@@ -172,10 +172,28 @@ class Bilinear:
         return a, self.weights(lw, lh), corners
 
 
-def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, zero_pixel: int):
+def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, zero_pixel: int,
+                   addresses: bool = False):
     """(first corner from its pixel index, one corner's channels) in a level staged in shared memory
-    at pixel `base`; a corner outside the level reads the zero pixel after the staged levels."""
+    at pixel `base`; a corner outside the level reads the zero pixel after the staged levels.
+    addresses (KernelConfig.staged_addresses): the first corner is a byte address, and each corner selects
+    between its address and the zero pixel's, the column step an immediate offset of the load, instead of
+    selecting a pixel index and forming each corner's address from it: the same loads, fewer instructions."""
     C = bilinear.C
+    if addresses:
+        width = bilinear.value_dtype.width // 8
+        pixel_bytes = head_dim * width
+        origin = (sStaged.iterator + chunk * C).toint()
+        zero = origin + zero_pixel * pixel_bytes
+        row_bytes = W * pixel_bytes
+
+        def corner_at(top_left, dy: int, dx: int, ok):
+            addr = top_left + row_bytes if dy else top_left
+            addr = cutlass.select_(ok, addr, zero - dx * pixel_bytes) + dx * pixel_bytes
+            return bilinear.load(cute.make_ptr(bilinear.value_dtype, addr, cute.AddressSpace.smem,
+                                               assumed_align=C * width))
+
+        return (lambda p: origin + (base + p) * pixel_bytes), corner_at
 
     def corner(top_left, dy: int, dx: int, ok):
         pixel = cutlass.select_(ok, top_left + ((W if dy else 0) + dx), cutlass.Int32(zero_pixel))
