@@ -674,7 +674,7 @@ def test_p4_launches_alternate_the_level_order():
 def test_the_fused_encoder_launch_takes_six_groups():
     # Seven groups spill in the fused kernel (locations and softmax inside); six with one producer warp do not.
     # fp16/bf16 value in one round: the output rows stored evict-first in L2 too.
-    # At four points a level the staged corners select their byte addresses (not at eight).
+    # At four points a level the staged corners select their byte addresses.
     six = dict(cluster_size=1, num_groups=6, producers=1, split_setup=False)
     for value in ("float16", "bfloat16"):
         cfg = tiled(value, value, value, 8, 4, 4, 32, fused=True)
@@ -683,8 +683,12 @@ def test_the_fused_encoder_launch_takes_six_groups():
         assert dataclasses.replace(cfg, **one_round) in launch_rules.launch_variants(cfg)
         for knob in ("output_evict_first", "staged_addresses"):
             assert knob not in launch_of(cfg, 2, 22223, 22223, fixed={knob})[0]
+        # At eight points a level the fused kernel takes them too (the unfused kernel does not: it lost there).
         eight = tiled(value, value, value, 8, 4, 8, 32, fused=True)
-        assert "staged_addresses" not in launch_of(eight, 2, 22223, 22223)[0]
+        changes = launch_of(eight, 1, 22223, 22223)[0]
+        assert changes["staged_addresses"] and "output_evict_first" not in changes
+        assert dataclasses.replace(eight, **changes) in launch_rules.launch_variants(eight)
+        assert "staged_addresses" not in launch_of(tiled(value, "float32", "float32", 8, 4, 8, 32), 1, 22223, 22223)[0]
     # fp32 too, in one round (N = 2) or several (N = 4), with plain stores.
     fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, fused=True)
     assert launch_of(fp32, 2, 22223, 22223)[0] == six

@@ -130,9 +130,10 @@ def launch_variants(cfg) -> list:
                 one_round["gather_batch"] = few_levels
         elif _short_ranges_measured(cfg, cfg.permuted):  # fp32 value and the fused kernel: SHORT_RANGES, without the
             out.append(dataclasses.replace(cfg, **{**single, **SHORT_RANGES}))  # cache-hint rules
-        if _output_policy_measured(cfg, cfg.permuted) and cfg.level_points <= 16:  # the output evict-first in L2
-            one_round["output_evict_first"] = True
-            if cfg.num_points <= 4:  # ... and the staged corners' addresses selected
+        if _output_policy_measured(cfg, cfg.permuted):
+            if cfg.level_points <= 16:  # the output evict-first in L2
+                one_round["output_evict_first"] = True
+            if _staged_addresses_measured(cfg):  # ... and the staged corners' addresses selected
                 one_round["staged_addresses"] = True
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
@@ -198,6 +199,13 @@ def _output_policy_measured(cfg, permuted: bool) -> bool:
     """The kernels output_evict_first was measured on: fp16/bf16 value, L1 gathers, without the order table, fused or
     not."""
     return cfg.packed_math and cfg.fine_gather == "ldg" and not permuted
+
+
+def _staged_addresses_measured(cfg) -> bool:
+    """The kernels whose one round of single CTAs over long ranges staged_addresses won on (choose_launch): fp16/bf16
+    value (_output_policy_measured) at up to four points a level and 16 samples a query, and the fused kernel at up to
+    32 samples a query (eight points at four levels)."""
+    return (cfg.num_points <= 4 and cfg.level_points <= 16) or (cfg.fused and cfg.level_points <= 32)
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -476,16 +484,19 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen the rule) and the
         # launches that tied (decoders, seed-b48).
         changes["output_evict_first"] = True
-    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and cfg.num_points <= 4
-            and cfg.level_points <= 16 and "staged_addresses" not in fixed):
-        # ... and at up to four points a level, the staged corners' byte addresses selected against the zero pixel's
-        # (bitwise the same sums). Session 33, tune.py and the fused kernel's out/ script, both orders, µs, the launch ->
-        # staged_addresses: the fused kernel (DETR's levels, N=2, Lq=S) H100 fp16 136.4 / 136.3 -> 130.2 / 130.3, bf16
-        # 139.6 / 140.0 -> 133.4 / 133.4; unfused, H200: detr-encoder 121.4 / 121.5 -> 121.1 / 120.7, -init 110.5 /
-        # 110.8 -> 109.9 / 109.7, mask2former-encoder 103.2 / 103.0 -> 100.5 / 99.9; H100 (four runs): tied
-        # (detr-encoder 126.0 -> 126.0, -init 114.6 -> 114.4, mask2former-encoder 109.7 -> 109.3, means). Not taken:
-        # P = 8 (dcnv4-test 83.8 / 83.7 -> 88.6 / 88.1 on the H100, 83.0 -> 87.1 on the H200) and whole segments (the
-        # decoders tied: detr-decoder 57.4 -> 57.0 on the H100, decoder-b16 42.4 -> 43.0 on the H200).
+    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and _staged_addresses_measured(cfg)
+            and "staged_addresses" not in fixed):
+        # ... and the staged corners' byte addresses selected against the zero pixel's (bitwise the same sums), where
+        # _staged_addresses_measured. Session 33, tune.py and out/ scripts for the fused kernel (DETR's levels), both
+        # orders, µs, the launch -> staged_addresses: fused N=2 Lq=S, H100 fp16 136.4 / 136.3 -> 130.2 / 130.3, bf16
+        # 139.6 / 140.0 -> 133.4 / 133.4; H200 fp16 130.1 / 130.7 -> 124.0 / 124.0, bf16 135.6 / 134.8 -> 128.3 / 127.8;
+        # fused P = 8, N=1 Lq=S, H100 147.0 / 146.8 -> 142.5 / 142.0; unfused, H200: detr-encoder 121.4 / 121.5 ->
+        # 121.1 / 120.7, -init 110.5 / 110.8 -> 109.9 / 109.7, mask2former-encoder 103.2 / 103.0 -> 100.5 / 99.9;
+        # H100 (six runs): detr-encoder tied (125.9 -> 125.9, means), -init 114.3 -> 114.0, mask2former-encoder 109.9 ->
+        # 109.2. Not taken: unfused P = 8 (dcnv4-test 83.8 / 83.7 -> 88.6 / 88.1 on the H100, 83.0 -> 87.1 on the H200),
+        # fp32 value (H100: detr-encoder 209.7 -> 219.6, -init 189.7 -> 193.4, the fused kernel tied at 237.2; the
+        # Mask2Former encoder 214.6 -> 183.2, with nothing staged: ptxas's schedule, not the staged reads) and whole
+        # segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3 on the H100).
         changes["staged_addresses"] = True
     if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
