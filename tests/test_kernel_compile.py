@@ -93,6 +93,9 @@ VARIANTS = [
     # the staged corners' addresses selected.
     ("fused-encoder", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, cluster_size=1, num_groups=6,
                             producers=1, split_setup=False, output_evict_first=True, staged_addresses=True)),
+    # ... and at eight points a level.
+    ("fused-encoder-p8", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 8, 32, fused=True, cluster_size=1,
+                               num_groups=6, producers=1, split_setup=False, staged_addresses=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]

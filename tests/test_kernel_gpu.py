@@ -161,7 +161,8 @@ FUSED = ([dict(value=v, ref_dims=r, D=32, L=4, P=4, variant=var)
          + [dict(value=v, ref_dims=2, D=32, L=4, P=8, variant="reorder") for v in ("fp16", "bf16")]
          # the staged corners' addresses selected (the fused encoders' launch rule)
          + [dict(value=v, ref_dims=r, D=32, L=4, P=4, variant="staged_addresses")
-            for v, r in (("fp16", 2), ("bf16", 4), ("fp32", 2))])
+            for v, r in (("fp16", 2), ("bf16", 4), ("fp32", 2))]
+         + [dict(value="fp16", ref_dims=2, D=32, L=4, P=8, variant="staged_addresses")])
 
 
 def fused_case_id(c):
