@@ -37,10 +37,10 @@ VARIANTS = {
     # 8-byte vectors a thread: twice the threads a query, half the queries a tile (the launch rule for CTA
     # pairs over whole segments of 64-byte head rows; here forced on every case's shape).
     "vectors8": dict(vector_bytes=8),
-    # Staged corners' byte addresses selected against the zero pixel's (the encoders' launch rule at up to four
-    # points a level; here forced on the grid's small, odd levels, H = 1 and W = 1 among them).
-    "staged_addresses": dict(cluster_size=1, num_groups=7, producers=1, staged_addresses=True),
 }
+# Staged corners' byte addresses selected against the zero pixel's, on the encoders' single-CTA launch (its launch
+# rule; here forced on the grid's small, odd levels, H = 1 and W = 1 among them).
+VARIANTS["staged_addresses"] = dict(VARIANTS["single7"], staged_addresses=True)
 HEAD_DIMS = (1, 2, 3, 8, 24, 30, 48, 71, 96, 256, 1025)
 BATCH, QUERIES, FUSED_QUERIES = 2, 77, 53  # every grid case's problem size (with its levels)
 

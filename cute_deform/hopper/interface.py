@@ -159,8 +159,6 @@ def _on_device(value, shapes, starts, loc, attn, ref, tuning):
         return _launch(value, shapes, starts, loc, attn, ref, tuning)
 
 
-
-
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None, shapes: torch.Tensor) -> torch.Tensor:
     """(N, Lq) int64: each image's queries in raster order of cells of their positions, on the device
     (order.py: bands of y by columns of x, about 6 x 2.5 pixels of the finest level of `shapes`, the (L, 2)
@@ -204,8 +202,6 @@ def _placeholder(device, shape) -> torch.Tensor:
     if t is None:
         t = _placeholders[key] = torch.zeros(shape, dtype=torch.int64, device=device)
     return t
-
-
 
 
 def _launch(value, shapes, starts, loc, attn, ref, tuning):

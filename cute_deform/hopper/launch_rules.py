@@ -469,35 +469,35 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # -init 116.5-117.4 -> 116.9-117.6). Where segments are whole (decoders) it tied, through the order
         # table (seed-b48) it lost 0.6%; the finest level evict-first in L2 lost 14-50%.
         changes["coarse_evict_last"] = True
-    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and cfg.level_points <= 16
-            and "output_evict_first" not in fixed):
-        # One round of single CTAs over long ranges at up to 16 samples a query (the encoders, fused or not): the
-        # output rows are stored evict-first in L2, so that they do not push out value's lines, which these launches
-        # read again. Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores (means):
-        # H100: detr-encoder 126.6 -> 126.1, -init 116.0 -> 115.1, mask2former-encoder 112.9 -> 110.7,
-        # mask2former-cityscapes 129.3 -> 127.1; bf16 -init 120.4 -> 118.6, mask2former-encoder 115.2 -> 113.9 (one
-        # run). H200 (one call): tied (detr-encoder 121.0 -> 121.4, -init 110.9 -> 111.1, mask2former-encoder 103.2 ->
-        # 103.5, Cityscapes 117.2 -> 116.5). The fused kernel (the layer's; DETR's levels, N=2, Lq=S, out/ script,
-        # both orders): H100 fp16 137.8 -> 136.2 and 137.8 -> 136.5, bf16 142.3 -> 140.2 and 141.5 -> 140.1; H200 fp16
-        # 131.8 -> 130.6, bf16 136.9 -> 135.5. Not taken: P = 8 (dcnv4-test 83.7 -> 84.1 on the H100), short ranges
-        # (RT-DETR's decoder at N=4: 15.5 / 15.4 -> 15.6 / 16.2), several rounds (bev-self-attention, one level over
-        # a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen the rule) and the
-        # launches that tied (decoders, seed-b48).
-        changes["output_evict_first"] = True
-    if (one_round_long and not short and _output_policy_measured(cfg, permuted) and _staged_addresses_measured(cfg)
-            and "staged_addresses" not in fixed):
-        # ... and the staged corners' byte addresses selected against the zero pixel's (bitwise the same sums), where
-        # _staged_addresses_measured. Session 33, tune.py and out/ scripts for the fused kernel (DETR's levels), both
-        # orders, µs, the launch -> staged_addresses: fused N=2 Lq=S, H100 fp16 136.4 / 136.3 -> 130.2 / 130.3, bf16
-        # 139.6 / 140.0 -> 133.4 / 133.4; H200 fp16 130.1 / 130.7 -> 124.0 / 124.0, bf16 135.6 / 134.8 -> 128.3 / 127.8;
-        # fused P = 8, N=1 Lq=S, H100 147.0 / 146.8 -> 142.5 / 142.0; unfused, H200: detr-encoder 121.4 / 121.5 ->
-        # 121.1 / 120.7, -init 110.5 / 110.8 -> 109.9 / 109.7, mask2former-encoder 103.2 / 103.0 -> 100.5 / 99.9;
-        # H100 (six runs): detr-encoder tied (125.9 -> 125.9, means), -init 114.3 -> 114.0, mask2former-encoder 109.9 ->
-        # 109.2. Not taken: unfused P = 8 (dcnv4-test 83.8 / 83.7 -> 88.6 / 88.1 on the H100, 83.0 -> 87.1 on the H200),
-        # fp32 value (H100: detr-encoder 209.7 -> 219.6, -init 189.7 -> 193.4, the fused kernel tied at 237.2; the
-        # Mask2Former encoder 214.6 -> 183.2, with nothing staged: ptxas's schedule, not the staged reads) and whole
-        # segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3 on the H100).
-        changes["staged_addresses"] = True
+    if one_round_long and not short and _output_policy_measured(cfg, permuted):
+        if cfg.level_points <= 16 and "output_evict_first" not in fixed:
+            # One round of single CTAs over long ranges at up to 16 samples a query (the encoders, fused or not): the
+            # output rows are stored evict-first in L2, so that they do not push out value's lines, which these launches
+            # read again. Session 32, tune.py, two calls, each both orders, µs, the launch -> evict-first stores
+            # (means): H100: detr-encoder 126.6 -> 126.1, -init 116.0 -> 115.1, mask2former-encoder 112.9 -> 110.7,
+            # mask2former-cityscapes 129.3 -> 127.1; bf16 -init 120.4 -> 118.6, mask2former-encoder 115.2 -> 113.9 (one
+            # run). H200 (one call): tied (detr-encoder 121.0 -> 121.4, -init 110.9 -> 111.1, mask2former-encoder 103.2
+            # -> 103.5, Cityscapes 117.2 -> 116.5). The fused kernel (the layer's; DETR's levels, N=2, Lq=S, out/
+            # script, both orders): H100 fp16 137.8 -> 136.2 and 137.8 -> 136.5, bf16 142.3 -> 140.2 and 141.5 -> 140.1;
+            # H200 fp16 131.8 -> 130.6, bf16 136.9 -> 135.5. Not taken: P = 8 (dcnv4-test 83.7 -> 84.1 on the H100),
+            # short ranges (RT-DETR's decoder at N=4: 15.5 / 15.4 -> 15.6 / 16.2), several rounds (bev-self-attention,
+            # one level over a quarter of L2: 88.8 -> 88.1 on the H100, 82.0 -> 82.0 on the H200; not enough to widen
+            # the rule) and the launches that tied (decoders, seed-b48).
+            changes["output_evict_first"] = True
+        if _staged_addresses_measured(cfg) and "staged_addresses" not in fixed:
+            # ... and the staged corners' byte addresses selected against the zero pixel's (bitwise the same sums),
+            # where _staged_addresses_measured. Session 33, tune.py and out/ scripts for the fused kernel (DETR's
+            # levels), both orders, µs, the launch -> staged_addresses: fused N=2 Lq=S, H100 fp16 136.4 / 136.3 -> 130.2
+            # / 130.3, bf16 139.6 / 140.0 -> 133.4 / 133.4; H200 fp16 130.1 / 130.7 -> 124.0 / 124.0, bf16 135.6 / 134.8
+            # -> 128.3 / 127.8; fused P = 8, N=1 Lq=S, H100 147.0 / 146.8 -> 142.5 / 142.0; unfused, H200: detr-encoder
+            # 121.4 / 121.5 -> 121.1 / 120.7, -init 110.5 / 110.8 -> 109.9 / 109.7, mask2former-encoder 103.2 / 103.0 ->
+            # 100.5 / 99.9; H100 (six runs): detr-encoder tied (125.9 -> 125.9, means), -init 114.3 -> 114.0,
+            # mask2former-encoder 109.9 -> 109.2. Not taken: unfused P = 8 (dcnv4-test 83.8 / 83.7 -> 88.6 / 88.1 on the
+            # H100, 83.0 -> 87.1 on the H200), fp32 value (H100: detr-encoder 209.7 -> 219.6, -init 189.7 -> 193.4, the
+            # fused kernel tied at 237.2; the Mask2Former encoder 214.6 -> 183.2, with nothing staged: ptxas's schedule,
+            # not the staged reads) and whole segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3
+            # on the H100).
+            changes["staged_addresses"] = True
     if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
         # One round of them at up to 16 samples a query (detr-encoder, -init): a segment's start counts for
