@@ -53,7 +53,8 @@ VARIANTS = [
     ("one-producer-l1-first", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1)),
     ("no-split-setup", tiled("float16", "float32", "float32", 8, 4, 4, 32, split_setup=False)),
     # The encoders' launch: L1 gathers ask L2 for whole 128-byte lines, and keep the levels other than
-    # the finest in L2 (evict-last); the output rows are stored evict-first.
+    # the finest in L2 (evict-last); the output rows are stored evict-first, and the staged corners select their
+    # byte addresses.
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
                             segment_cost=4, output_evict_first=True, staged_addresses=True)),
