@@ -90,6 +90,11 @@ VARIANTS = [
                                        producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
                                        segment_cost=4, gather_batch=2, output_evict_first=True,
                                        staged_addresses=True)),
+    # ... with the first level's tiles in column strips (Mask2Former's launch: two copies of the tile loop).
+    ("strips-three-levels", tiled("float16", "float32", "float32", 8, 3, 4, 32, cluster_size=1, num_groups=7,
+                                  producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
+                                  segment_cost=4, gather_batch=2, output_evict_first=True, staged_addresses=True,
+                                  strips=True)),
     # The fused kernel's encoder launch (fp16 offsets and logits): six groups, the output rows stored evict-first,
     # the staged corners' addresses selected.
     ("fused-encoder", tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True, cluster_size=1, num_groups=6,
@@ -175,33 +180,36 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
         if cfg.vector_bytes < 16:
             assert not re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4", ptx)
     assert bool(re.search(rf"ld\.global(\.L2::cache_hint)?\.L2::128B{vec}", ptx)) == cfg.line_prefetch
-    # One copy of each level's L1 gathers with the L2 evict-last policy, taken where the level is not the
-    # finest.
+    # strips: two copies of the consumers' tile loop, one with the strips' map and one without, chosen once.
+    copies = 2 if cfg.strips else 1
+    # One copy of each level's L1 gathers (a tile loop's) with the L2 evict-last policy, taken where the level is not
+    # the finest.
     evict_last = str(kernel.L2_EVICT_LAST)
     constants = dict(re.findall(r"mov\.b64\s+(%rd\d+), (\d+);", ptx))
     hinted = re.findall(rf"ld\.global\.L2::cache_hint(?:\.L2::128B)?{vec}\.\w+ \{{[^}}]*\}}, \[[^\]]*\], (%rd\d+);", ptx)
     assert [constants.get(reg) for reg in hinted] == (
-        [evict_last] * (cfg.num_levels * cfg.num_points * 4) if cfg.coarse_evict_last else [])
+        [evict_last] * (copies * cfg.num_levels * cfg.num_points * 4) if cfg.coarse_evict_last else [])
     # One copy of each level's L1 gathers with the evict-first hint, taken where the level is the finest.
     assert len(re.findall(rf"ld\.global\.L1::evict_first{vec}\.b32", ptx)) == (
-        cfg.num_levels * cfg.num_points * 4 if cfg.finest_evict_first else 0)
+        copies * cfg.num_levels * cfg.num_points * 4 if cfg.finest_evict_first else 0)
     # Each tile's inputs are read once: their copies carry an L2 cache policy (evict first); the staging
     # loads of value do not.
     assert evict_first_copies(ptx) == loads - cfg.num_levels + rows
-    # The output rows: one store a thread and tile, with the evict-first policy where output_evict_first.
+    # The output rows: one store a thread and tile (in each tile loop), with the evict-first policy where
+    # output_evict_first.
     stores = re.findall(r"^\s*st\.global(\.L2::cache_hint)?(?:\.v\d)?\.\w+\s+\[[^\]]*\],\s*[^;]*?(?:\},\s*(%rd\d+))?;", ptx, re.M)
-    assert len(stores) == 1, stores
-    hinted, policy = stores[0]
-    assert bool(hinted) == cfg.output_evict_first
-    if hinted:
-        assert constants.get(policy) == str(kernel.L2_EVICT_FIRST)
+    assert len(stores) == copies, stores
+    for hinted, policy in stores:
+        assert bool(hinted) == cfg.output_evict_first
+        if hinted:
+            assert constants.get(policy) == str(kernel.L2_EVICT_FIRST)
     # Staged pixels (and boxes) are read as vectors of cfg.vector_bytes.
     assert f"ld.shared{vec}.b32" in ptx
     # staged_addresses: each staged sample's two corners of the next column load at their first column's
     # address plus one pixel (an immediate offset), in the one copy of every level's staged reads.
     pixel_bytes = cfg.head_dim * cfg.itemsize
     next_column = re.findall(rf"ld\.shared{vec}\.b32\s+\{{[^}}]*\}}, \[%r\d+\+{pixel_bytes}\];", ptx)
-    assert len(next_column) == (2 * cfg.num_levels * cfg.num_points if cfg.staged_addresses else 0)
+    assert len(next_column) == (copies * 2 * cfg.num_levels * cfg.num_points if cfg.staged_addresses else 0)
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
     if cfg.value_dtype == "float16":
         assert re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx)
@@ -1003,3 +1011,77 @@ def test_every_launch_of_fp16_value_is_a_variant_the_precompile_covers(P):
                      (32, 300, 22223), (48, 15422, 19560), (1, 16, 20000)):
         launched = launch_rules.launched_config(cfg, N, Lq, S, {})
         assert launched in variants, (N, Lq, S, launched)
+
+
+M2F = [(128, 128), (64, 64), (32, 32)]
+
+
+@pytest.mark.parametrize("value", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("levels,N", [(M2F, 2), ([(128, 256), (64, 128), (32, 64)], 1), ([(100, 167), (50, 84)], 2)])
+def test_encoders_at_up_to_three_levels_take_strips(value, levels, N):
+    """One round of single CTAs over long ranges at up to three levels takes the strips (KernelConfig.strips; the
+    kernel decides from the level table whether the first level's rows are whole tiles), any value dtype."""
+    S = sum(h * w for h, w in levels)
+    cfg = tiled(value, "float32", "float32", 8, len(levels), 4, 32)
+    changes, _, schedule = launch_of(cfg, N, S, S)
+    assert changes.get("strips") is True and schedule.rounds == 1
+    assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
+
+
+@pytest.mark.parametrize("levels,N,Lq,P,fused", [
+    (DETR, 2, 22223, 4, False),  # four levels: the second copy of the tile loop cost detr-encoder 2%
+    (DETR[:1] + [(50, 84)], 8, 21000, 4, False),  # several rounds
+    (M2F, 8, 21504, 4, False),  # several rounds (lost 9%)
+    ([(64, 64), (32, 32), (16, 16)], 2, 5376, 4, False),  # ranges of 20 tiles (lost 2%)
+    (M2F, 2, 21504, 4, True),  # the fused kernel: not measured
+    (DETR, 8, 900, 4, False),  # decoders: whole segments
+])
+def test_strips_stay_off_where_they_lost_or_were_not_measured(levels, N, Lq, P, fused):
+    S = sum(h * w for h, w in levels)
+    loc = "float16" if fused else "float32"
+    cfg = tiled("float16", loc, loc, 8, len(levels), P, 32, fused=fused)
+    changes, _, _ = launch_of(cfg, N, Lq, S)
+    assert not changes.get("strips", False)
+
+
+def strip_blocks(levels, Lq, tile=32):
+    """A Python twin of tile_scheduler.strip_plan and TileScheduler.block_of, in float32 as the kernel computes: the
+    query block of each place of one segment."""
+    import numpy as np
+    (H, W), blocks = levels[0], -(-Lq // tile)
+    on = W % tile == 0 and W > tile and H > 1 and H * W <= Lq and Lq < 1 << 24
+    strip_blocks = H * (W // tile) if on else 0
+    place = np.arange(blocks, dtype=np.int64)
+    column = ((place.astype(np.float32) + np.float32(0.5)) * (np.float32(1.0) / np.float32(H))).astype(np.int64)
+    strip = (place - column * H) * (W // tile) + column
+    return np.where(place < strip_blocks, strip, place)
+
+
+@pytest.mark.parametrize("levels,Lq", [(M2F, 21504), ([(128, 256), (64, 128), (32, 64)], 43008),
+                                       ([(96, 160), (48, 80), (24, 40)], 96 * 160), (DETR, 22223), ([(200, 200)], 40000),
+                                       ([(64, 64)], 5000)])
+def test_strip_map_is_a_bijection_in_column_strips(levels, Lq):
+    """The strips take every query block of a segment once; where the first level's rows are whole tiles (and the
+    queries cover it) its blocks go column by column, top to bottom, and the rest keep their place."""
+    import numpy as np
+    blocks = strip_blocks(levels, Lq)
+    assert sorted(blocks.tolist()) == list(range(len(blocks)))
+    (H, W) = levels[0]
+    if W % 32 == 0 and H * W <= Lq:
+        row_blocks = W // 32
+        expected = [y * row_blocks + x for x in range(row_blocks) for y in range(H)]
+        assert blocks[:H * row_blocks].tolist() == expected
+        assert (blocks[H * row_blocks:] == np.arange(H * row_blocks, len(blocks))).all()
+    else:
+        assert (blocks == np.arange(len(blocks))).all()
+
+
+def test_strip_columns_in_float32_are_exact():
+    """block_of's column, (place + 0.5) times the float32 inverse of H truncated, is place // H for every place the
+    kernel can meet (under 2^19 blocks: strip_plan takes Lq < 2^24) and any H."""
+    import numpy as np
+    place = np.arange(1 << 19, dtype=np.int64)
+    p32 = place.astype(np.float32) + np.float32(0.5)
+    for H in list(range(2, 260)) + [511, 512, 513, 1000, 1023, 1024, 4095, 4096, 10007, 65535]:
+        column = (p32 * (np.float32(1.0) / np.float32(H))).astype(np.int64)
+        assert (column == place // H).all(), H

@@ -411,6 +411,24 @@ def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
     within_reference((value, shapes, starts, loc, attn), ({}, dict(gather_batch=1)))
 
 
+@pytest.mark.parametrize("levels,queries,value_dtype,tuning", [
+    ([(128, 128), (64, 64), (32, 32)], None, torch.float16, {}),  # Mask2Former at 1024x1024: the launch takes strips
+    ([(64, 256), (32, 128), (16, 64)], None, torch.bfloat16, {}),  # wide rows, eight tiles a row
+    ([(96, 160), (48, 80), (24, 40)], 96 * 160, torch.float32, dict(strips=True)),  # the finest level's queries only
+    ([(100, 167), (50, 84), (25, 42)], None, torch.float16, {}),  # rows not whole tiles: the copy without the map
+])
+def test_encoder_takes_its_first_level_in_column_strips(gen, levels, queries, value_dtype, tuning):
+    """An encoder at up to three levels takes its tiles in column strips where the first level's rows are whole
+    tiles (KernelConfig.strips): every query of every image written once (outputs poisoned) and within the bound of
+    float64, as without the strips."""
+    S = pixels(levels)
+    Lq = queries or S
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=2, queries=Lq, value_dtype=value_dtype)
+    cfg = launched_config(value, loc, attn, None, tuning, 2, Lq, S)
+    assert cfg.cluster_size == 1 and cfg.strips
+    within_reference((value, shapes, starts, loc, attn), (tuning, dict(strips=False)))
+
+
 def test_one_level_over_rounds_of_a_quarter_of_l2(gen):
     """A one-level BEV-like launch (200x200, N=2, a query a pixel) runs single CTAs over rounds of a quarter of L2:
     every image within the bound of float64, outputs poisoned, as in one round (the caller's window of all L2)."""

@@ -126,6 +126,10 @@ class KernelConfig(ProblemConfig):
     # of the load (sampling.staged_corners): the same loads in fewer instructions, which changes how ptxas
     # schedules the loop. A launch rule (launch_rules.choose_launch, which has the measurements).
     staged_addresses: bool = False
+    # Where the first level's rows are whole tiles and the queries cover it (an encoder), its tiles are taken in
+    # column strips a tile wide, top to bottom, not row by row: a range of tiles is then a tall narrow block of the
+    # image, whose footprints L1 holds. Decided in the kernel from the level table (TileScheduler.block_of).
+    strips: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
@@ -144,6 +148,8 @@ class KernelConfig(ProblemConfig):
             raise ValueError(f"cute_deform: fine_gather must be 'ldg' or 'tma', got {self.fine_gather!r}")
         if self.fused and self.fine_gather != "ldg":
             raise ValueError("cute_deform: the fused kernel gathers through L1 (fine_gather='ldg')")
+        if self.strips and (self.permuted or self.early_inputs):
+            raise ValueError("cute_deform: strips take neither permuted queries nor early_inputs")
         if self.permuted and self.fine_gather != "ldg":
             raise ValueError("cute_deform: permuted queries need fine_gather='ldg'")
         if self.producers and (self.fine_gather != "ldg" or self.num_groups % self.producers):

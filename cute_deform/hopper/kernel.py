@@ -19,6 +19,8 @@ into its own slot of a small workspace. A level table that does not fit in value
 """
 from __future__ import annotations
 
+import dataclasses
+
 try:
     import cutlass
     import cutlass.cute as cute
@@ -35,7 +37,7 @@ from . import pipeline
 from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
-from .tile_scheduler import TileScheduler
+from .tile_scheduler import TileScheduler, strip_plan
 
 DTYPES = {}
 # Pixels of one head a TMA prefetch box covers (KernelConfig.prefetch_levels): the most a box dimension takes.
@@ -220,8 +222,13 @@ class MSDAForward:
         Lq = mLoc.shape[1]
         blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
         clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
+        strips = None
+        level_table = None
+        if cutlass.const_expr(self.cfg.strips):  # the tile order needs the level table first
+            level_table = self.level_table(mShapes, mStarts, mValue.shape[1])
+            strips = strip_plan(level_table[0], level_table[1], Lq, self.G)
         scheduler = TileScheduler.create(num_tiles, blocks, clusters, rounds, whole, bidx // self.cluster, self.M,
-                                         self.cfg.segment_cost)
+                                         self.cfg.segment_cost, strips)
         rank = cutlass.Int32(0)
         if cutlass.const_expr(self.cluster > 1):
             rank = cutlass.Int32(cute.arch.block_idx_in_cluster())
@@ -241,7 +248,9 @@ class MSDAForward:
 
         # Which levels are staged, and where: coarsest first while they fit. The table goes to shared
         # memory: consumers read it where they need it rather than holding ~20 registers of it.
-        sizes, starts, levels_ok = self.level_table(mShapes, mStarts, mValue.shape[1])
+        if cutlass.const_expr(level_table is None):
+            level_table = self.level_table(mShapes, mStarts, mValue.shape[1])
+        sizes, starts, levels_ok = level_table
         staged = [cutlass.Boolean(False)] * self.L
         offsets = [cutlass.Int32(0)] * self.L
         used = cutlass.Int32(0)
@@ -599,6 +608,21 @@ class MSDAForward:
             active = slot < self.G
             read_slot = cutlass.min(slot, self.G - 1)
         gathers = True if cutlass.const_expr(self.boxes) else active
+        args = (g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging, rounds, rank,
+                sLevels, sStaged, sLoc, sAttn, slot, chunk, active, read_slot, gathers)
+        if cutlass.const_expr(scheduler.strips is not None):
+            # Two copies of the tile loop, chosen once: the one without the strips' map keeps its schedule.
+            if scheduler.strips[0] > 0:
+                self.consumer_tiles(scheduler, *args)
+            else:
+                self.consumer_tiles(dataclasses.replace(scheduler, strips=None), *args)
+        else:
+            self.consumer_tiles(scheduler, *args)
+
+    @cute.jit
+    def consumer_tiles(self, scheduler, g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings,
+                       staging, rounds, rank, sLevels, sStaged, sLoc, sAttn, slot, chunk, active, read_slot, gathers):
+        Lq = mLoc.shape[1]
         input_state = input_rings.consumer_state(g) if cutlass.const_expr(self.prefetch) else None
         box_state = box_rings.consumer_state(g) if cutlass.const_expr(self.boxes) else None
         segment = cutlass.Int32(0)

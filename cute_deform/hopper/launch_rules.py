@@ -80,14 +80,16 @@ SHORT_RANGES = dict(vector_bytes=8, num_groups=4, producers=0, split_setup=True,
 # Tiles a segment's start counts for in one round of single CTAs at up to 16 samples a query (the P = 4
 # encoders; KernelConfig.segment_cost, choose_launch has the measurements).
 SEGMENT_COST = 4
+# KernelConfig.strips: the fewest tiles a range (one a CTA) must take for the rule (choose_launch).
+STRIP_RANGE_TILES = 64
 
 
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
-    output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured)
-    where one round of long ranges runs, and to the order table (batched gathers) for large problems. (Rarer
+    output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
+    strips at up to three levels unfused) where one round of long ranges runs, and to the order table (batched gathers) for large problems. (Rarer
     combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
@@ -137,6 +139,8 @@ def launch_variants(cfg) -> list:
                 one_round["staged_addresses"] = True
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
+        if cfg.num_levels <= 3 and not cfg.fused and not cfg.permuted:  # ... and the first level in strips
+            out.append(dataclasses.replace(cfg, **one_round, **single, strips=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
             out.append(dataclasses.replace(cfg, **single, l1_first=True))
         out.append(dataclasses.replace(cfg, **single))
@@ -498,6 +502,20 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # not the staged reads) and whole segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3
             # on the H100).
             changes["staged_addresses"] = True
+    if (one_round_long and not short and cfg.num_levels <= 3 and not cfg.fused and not permuted
+            and cfg.fine_gather == "ldg" and "strips" not in fixed
+            and N * cfg.num_heads * query_blocks(cfg, Lq) >= STRIP_RANGE_TILES * grid):
+        # One round of single CTAs over long ranges at up to three levels: where the first level's rows are whole
+        # tiles the kernel takes its tiles in column strips (KernelConfig.strips; elsewhere a copy of the tile loop
+        # without the map runs). Session 35, H200, tune.py both orders, µs (means), the launch -> strips: fp16
+        # mask2former-encoder 100.2 -> 96.9, mask2former-cityscapes 113.9 -> 103.9, the same with Deformable DETR's
+        # initial offsets (128x128-32x32, N=2) 90.2 -> 90.0; bf16 105.9 -> 96.9 and 118.6 -> 103.6; fp32 191.9 -> 177.2
+        # and 212.6 -> 184.6; where strips are off (rows not whole tiles): DETR's first three levels (N=2) 102.1 ->
+        # 102.5, its first two 79.1 -> 79.8, bev-self-attention (several rounds) 82.1 -> 82.1. Not taken: four levels
+        # (the copies cost detr-encoder 121.0 -> 123.7, -init 110.3 -> 112.4, dcnv4-test 83.1 -> 85.0), several rounds
+        # (128x128-32x32 at N=8: 358.7 -> 390.3), ranges under STRIP_RANGE_TILES tiles (64x64-16x16 at N=2, 20 a range:
+        # 31.1 -> 31.9), and the fused kernel (not measured).
+        changes["strips"] = True
     if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
         # One round of them at up to 16 samples a query (detr-encoder, -init): a segment's start counts for

@@ -15,6 +15,11 @@ With `whole` (few queries per image and head), range boundaries fall between seg
 then stages each of its segments once and meets no barrier in the middle of one. Otherwise a range that
 crosses into a new segment waits there (a barrier, then the new staging); with `segment_cost` the split
 counts each segment's start as that many tiles, and such a range takes fewer.
+
+With `strips` (an encoder whose first level's rows are whole tiles), a segment's places are not its query
+blocks in order: the first level's blocks are taken in column strips a tile wide, top to bottom
+(`block_of`), so that a range is a tall narrow block of the image whose footprints L1 holds, not a few
+whole rows.
 """
 from __future__ import annotations
 
@@ -97,13 +102,14 @@ class TileScheduler:
     cluster_id: object
     num_heads: int
     segment_cost: int = 0
+    strips: object = None  # KernelConfig.strips: (blocks in strips or 0, rows, blocks a row, 1 / rows), strip_plan's
 
     @staticmethod
     def create(num_tiles, blocks, clusters, rounds, whole, cluster_id, num_heads: int,
-               segment_cost: int = 0) -> "TileScheduler":
+               segment_cost: int = 0, strips=None) -> "TileScheduler":
         return TileScheduler(cutlass.Int32(num_tiles), cutlass.Int32(blocks), cutlass.Int32(clusters),
                              cutlass.Int32(clusters * rounds), whole, cutlass.Int32(cluster_id), num_heads,
-                             segment_cost)
+                             segment_cost, strips)
 
     @cute.jit
     def boundary(self, i):
@@ -139,4 +145,31 @@ class TileScheduler:
     @cute.jit
     def first_query(self, tile, nm, queries_per_tile: int):
         """First query of a tile of segment nm."""
-        return (tile - nm * self.blocks) * queries_per_tile
+        place = tile - nm * self.blocks
+        if cutlass.const_expr(self.strips is not None):
+            place = self.block_of(place)
+        return place * queries_per_tile
+
+    @cute.jit
+    def block_of(self, place):
+        """KernelConfig.strips: the query block a segment's place-th tile takes. Place i of the first level's
+        strips is row i % H of column i // H; past them the block is the place. From registers only: a block
+        that waits on a shared-memory read cannot be formed ahead of the stage's barrier wait, and ptxas then
+        keeps the tile loop's addressing from overlapping the samples (session 35)."""
+        strip_blocks, H, row_blocks, inverse = self.strips
+        # place < 2^19 (strip_plan): (place + 0.5) / H lies at least 0.5 / H from an integer, and the product with
+        # the rounded inverse is within place * 2^-22 / H of it.
+        column = cutlass.Int32((cutlass.Float32(place) + 0.5) * inverse)
+        strip = (place - column * H) * row_blocks + column
+        return cutlass.select_(place < strip_blocks, strip, place)
+
+
+def strip_plan(sizes, starts, Lq, tile: int):
+    """KernelConfig.strips: (blocks in strips, rows, blocks a row, 1 / rows) of the first level, whose tiles take
+    strips where its first pixel is 0, its width a multiple of the tile (more than one), it has more than one row,
+    and the queries (fewer than 2^24) cover it; otherwise no block does (0 blocks in strips)."""
+    H, W = sizes[0]
+    on = ((starts[0] == 0) & ((W % tile) == 0) & (W > tile) & (H > 1) & (cutlass.Int64(H) * W <= Lq)
+          & (Lq < (1 << 24)))
+    row_blocks = W // tile
+    return (cutlass.select_(on, H * row_blocks, 0), H, row_blocks, 1.0 / cutlass.Float32(cutlass.max(H, 1)))
