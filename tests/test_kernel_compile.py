@@ -1058,8 +1058,8 @@ def strip_blocks(levels, Lq, tile=32):
 
 
 @pytest.mark.parametrize("levels,Lq", [(M2F, 21504), ([(128, 256), (64, 128), (32, 64)], 43008),
-                                       ([(96, 160), (48, 80), (24, 40)], 96 * 160), (DETR, 22223), ([(200, 200)], 40000),
-                                       ([(64, 64)], 5000)])
+                                       ([(96, 160), (48, 80), (24, 40)], 96 * 160), (DETR, 22223),
+                                       ([(200, 200)], 40000), ([(64, 64)], 5000)])
 def test_strip_map_is_a_bijection_in_column_strips(levels, Lq):
     """The strips take every query block of a segment once; where the first level's rows are whole tiles (and the
     queries cover it) its blocks go column by column, top to bottom, and the rest keep their place."""
