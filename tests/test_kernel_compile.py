@@ -1033,7 +1033,7 @@ def test_encoders_at_up_to_three_levels_take_strips(value, levels, N):
     (DETR[:1] + [(50, 84)], 8, 21000, 4, False),  # several rounds
     (M2F, 8, 21504, 4, False),  # several rounds (lost 9%)
     ([(64, 64), (32, 32), (16, 16)], 2, 5376, 4, False),  # ranges of 20 tiles (lost 2%)
-    (M2F, 2, 21504, 4, True),  # the fused kernel: not measured
+    (M2F, 2, 21504, 4, True),  # the fused kernel: 8-9% faster where on, but the copies cost 10-12% where off
     (DETR, 8, 900, 4, False),  # decoders: whole segments
 ])
 def test_strips_stay_off_where_they_lost_or_were_not_measured(levels, N, Lq, P, fused):
