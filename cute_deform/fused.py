@@ -88,6 +88,10 @@ def _forward_fused_cuda(value, spatial_shapes, level_start_index, reference_poin
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
+    host_table = None  # the level table where the caller holds it on the host: the launch may read it
+    if spatial_shapes.is_cpu and level_start_index.is_cpu:
+        host_table = (shapes if shapes is not None else spatial_shapes.tolist(),
+                      starts if starts is not None else level_start_index.tolist())
     if spatial_shapes.is_cpu or level_start_index.is_cpu:
         # Cached device copies per distinct table: no copy per call, so CUDA graphs can capture it.
         spatial_shapes, level_start_index = _op._level_tables_on(
@@ -99,8 +103,10 @@ def _forward_fused_cuda(value, spatial_shapes, level_start_index, reference_poin
     if reason is None:
         reason = _hopper_fused_unavailable_reason()
     if reason is None:
+        strips = None if host_table is None else _hopper_interface.strip_rows(*host_table, Lq)
         return _hopper_interface.msda_forward_fused(
-            value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits
+            value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+            first_level_strips=strips,
         )
     _op._warn_slow_path(reason)
     # Locations and softmax with torch ops, then the forward op (its slow path here).

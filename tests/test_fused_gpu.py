@@ -167,6 +167,35 @@ def test_fused_kernel_under_session_30_launch_rules(gen, levels, batch, queries)
         assert torch.isfinite(out).all() and rel_err(out, ref) < TOLERANCE[torch.float16], tuning
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper_fused_available(),
+                    reason="cute_deform.hopper.interface (the fused Hopper kernel) is not available here")
+@pytest.mark.parametrize("levels", [[(128, 128), (64, 64), (32, 32)], [(100, 167), (50, 84), (25, 42)]])
+def test_fused_op_with_a_host_level_table_takes_strips_where_they_are_on(gen, levels):
+    """Through the op, a level table on the CPU (as transformers' models pass it) tells the fused launch whether
+    the kernel's strips are on (launch_rules.strip_rows): Mask2Former's levels take them, DETR's 167-pixel rows
+    do not; each within the bound of float64 (outputs poisoned), as the launch without strips."""
+    from cute_deform.hopper import interface, launch_rules
+
+    S = sum(h * w for h, w in levels)
+    args = make_fused_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4, dtype=torch.float16,
+                             ref_dtype=torch.float16, offset_dtype=torch.float16, logit_dtype=torch.float16)
+    value, shapes, starts, ref_points, offsets, logits = args
+    args = [value.cuda(), shapes, starts, ref_points.cuda(), offsets.cuda(), logits.cuda()]  # tables on the CPU
+    on = launch_rules.strip_rows(shapes.tolist(), starts.tolist(), S)
+    assert on == (levels[0][1] % 32 == 0)
+    expected = fused_reference(*args, out_dtype=torch.float64)
+    poison_allocator(2 * S * 8 * 32 * 4)
+    out = run_fused(args)
+    assert torch.isfinite(out).all() and rel_err(out, expected) < TOLERANCE[torch.float16]
+    # The launch the op chose, cached by size and the host's reading: (N, Lq, S, window, reorder, strips on).
+    launched = [launch[0].cfg for plan in interface._plans.values() for size, launch in plan.launches.items()
+                if size == (2, S, S, None, "auto", on) and launch[0].cfg.fused]
+    assert len(launched) == 1 and launched[0].strips == on, launched
+    poison_allocator(2 * S * 8 * 32 * 4)
+    plain = interface.msda_forward_fused(*[t.cuda() for t in args], strips=False)
+    assert torch.isfinite(plain).all() and rel_err(plain, expected) < TOLERANCE[torch.float16]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_module_on_the_gpu_equals_the_unfused_formula(gen, dtype):
     """MSDeformAttn (fused op) against the same layer computed unfused in float64 on the GPU."""

@@ -1085,3 +1085,33 @@ def test_strip_columns_in_float32_are_exact():
     for H in list(range(2, 260)) + [511, 512, 513, 1000, 1023, 1024, 4095, 4096, 10007, 65535]:
         column = (p32 * (np.float32(1.0) / np.float32(H))).astype(np.int64)
         assert (column == place // H).all(), H
+
+
+@pytest.mark.parametrize("levels,N,hint,expected", [
+    (M2F, 2, True, True),  # the host read the level table: the strips are on
+    (M2F, 2, None, False),  # a table on the device: the host cannot tell (the copies cost 10-12% where off)
+    ([(100, 167), (50, 84), (25, 42)], 2, False, False),
+    ([(128, 256), (64, 128), (32, 64)], 1, True, True),
+    (DETR[:1] + [(64, 64)], 2, True, True),
+])
+def test_the_fused_kernel_takes_strips_where_the_host_knows_they_are_on(levels, N, hint, expected):
+    S = sum(h * w for h, w in levels)
+    cfg = tiled("float16", "float16", "float16", 8, len(levels), 4, 32, fused=True)
+    changes, _, _ = launch_rules.choose_launch(cfg, N, S, S, H100["sms"], H100["l2_bytes"], None, "auto",
+                                               frozenset(), hint)
+    assert changes.get("strips", False) == expected
+    assert dataclasses.replace(cfg, **changes) in launch_rules.launch_variants(cfg)
+
+
+@pytest.mark.parametrize("levels,Lq", [(M2F, 21504), ([(128, 256), (64, 128), (32, 64)], 43008), (DETR, 22223),
+                                       ([(96, 160), (48, 80), (24, 40)], 96 * 160), ([(64, 64)], 5000),
+                                       ([(32, 64), (16, 32)], 2560)])
+def test_strip_rows_on_the_host_agrees_with_the_kernels_map(levels, Lq):
+    """launch_rules.strip_rows (the host's reading of a CPU level table) says the strips are on exactly where the
+    kernel's map (its twin) moves some block."""
+    import numpy as np
+    starts = [0]
+    for h, w in levels[:-1]:
+        starts.append(starts[-1] + h * w)
+    moved = (strip_blocks(levels, Lq) != np.arange(-(-Lq // 32))).any()
+    assert launch_rules.strip_rows(levels, starts, Lq) == bool(moved)

@@ -30,7 +30,7 @@ from .. import native
 from .compile_cache import kernel_for
 from .config import KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
-from .launch_rules import TUNING, choose_launch
+from .launch_rules import TUNING, choose_launch, strip_rows  # noqa: F401 (strip_rows: for fused.py)
 from .order import ORDER_CELLS, ORDER_MAX_QUERIES, OrderConfig, order_grid
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -136,11 +136,12 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                       attention_logits, **tuning):
+                       attention_logits, first_level_strips=None, **tuning):
     """Deformable DETR's sampling (locations from reference points and offsets, softmax of the logits)
-    and the forward in one kernel, on validated CUDA tensors of an sm_90 device."""
+    and the forward in one kernel, on validated CUDA tensors of an sm_90 device. first_level_strips:
+    launch_rules.strip_rows of the level table where the caller holds it on the host, else None."""
     return _on_device(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits, reference_points,
-                      tuning)
+                      tuning, first_level_strips)
 
 
 @functools.cache
@@ -148,15 +149,15 @@ def _one_device() -> bool:
     return torch.cuda.device_count() == 1
 
 
-def _on_device(value, shapes, starts, loc, attn, ref, tuning):
+def _on_device(value, shapes, starts, loc, attn, ref, tuning, strips=None):
     # With one visible GPU it is always current (current_device() is ~2 us of a call).
     if _one_device():
-        return _launch(value, shapes, starts, loc, attn, ref, tuning)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
     index = value.get_device()
     if index == torch.cuda.current_device():
-        return _launch(value, shapes, starts, loc, attn, ref, tuning)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
     with torch.cuda.device(index):
-        return _launch(value, shapes, starts, loc, attn, ref, tuning)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
 
 
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None, shapes: torch.Tensor) -> torch.Tensor:
@@ -204,7 +205,7 @@ def _placeholder(device, shape) -> torch.Tensor:
     return t
 
 
-def _launch(value, shapes, starts, loc, attn, ref, tuning):
+def _launch(value, shapes, starts, loc, attn, ref, tuning, strips=None):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
     window, reorder = None, "auto"
@@ -233,11 +234,11 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning):
             native.register(value, loc, attn, ref, plan.fn, True, grid, 0, 0, _placeholder(device, (1, 1)),
                             _placeholder(device, (1, 1, 16)))
         return out
-    size = (N, Lq, S, window, reorder)
+    size = (N, Lq, S, window, reorder, strips)
     launch = plan.launches.get(size)
     if launch is None:
         changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.sms, plan.l2_bytes, window, reorder,
-                                                frozenset(tuning) if tuning else _NOTHING_FIXED)
+                                                frozenset(tuning) if tuning else _NOTHING_FIXED, strips)
         runs = plan.variant(value, loc, attn, ref, **changes) if changes else plan
         if len(plan.launches) >= 4096:  # sizes that keep changing must not grow it without bound
             plan.launches.clear()

@@ -84,12 +84,21 @@ SEGMENT_COST = 4
 STRIP_RANGE_TILES = 64
 
 
+def strip_rows(levels, starts, Lq: int, tile: int = 32) -> bool:
+    """Whether the kernel takes the first level's tiles in strips (tile_scheduler.strip_plan's test), from a level
+    table the host holds: levels as (H, W) pairs, starts the levels' first pixels."""
+    if not levels:
+        return False
+    H, W = levels[0]
+    return starts[0] == 0 and W % tile == 0 and W > tile and H > 1 and H * W <= Lq and Lq < 1 << 24
+
+
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
-    strips at up to three levels unfused) where one round of long ranges runs, and to the order table (batched
+    strips at up to three levels) where one round of long ranges runs, and to the order table (batched
     gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
         return [cfg]
@@ -139,7 +148,7 @@ def launch_variants(cfg) -> list:
                 one_round["staged_addresses"] = True
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
-        if cfg.num_levels <= 3 and not cfg.fused and not cfg.permuted:  # ... and the first level in strips
+        if cfg.num_levels <= 3 and not cfg.permuted:  # ... and the first level in strips
             out.append(dataclasses.replace(cfg, **one_round, **single, strips=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
             out.append(dataclasses.replace(cfg, **single, l1_first=True))
@@ -327,11 +336,12 @@ def _single_cta(cfg, permuted: bool) -> dict:
 
 
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window, reorder,
-                  fixed: frozenset = frozenset()):
+                  fixed: frozenset = frozenset(), first_level_strips: bool | None = None):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
     schedule. window: the share of L2 a round may spread over, or None for the launch's default;
-    reorder: True, False or "auto"; fixed: the knobs the caller set, which stay. Several microseconds of
-    Python: _launch asks once per plan and problem size."""
+    reorder: True, False or "auto"; fixed: the knobs the caller set, which stay; first_level_strips: whether
+    the first level's rows are whole tiles (strip_rows), where the caller's level table is on the host, else
+    None. Several microseconds of Python: _launch asks once per plan and problem size."""
     changes = {}
     given_window = window
     if window is None:
@@ -502,8 +512,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # not the staged reads) and whole segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3
             # on the H100).
             changes["staged_addresses"] = True
-    if (one_round_long and not short and cfg.num_levels <= 3 and not cfg.fused and not permuted
-            and cfg.fine_gather == "ldg" and "strips" not in fixed
+    if (one_round_long and not short and cfg.num_levels <= 3 and (not cfg.fused or first_level_strips)
+            and not permuted and cfg.fine_gather == "ldg" and "strips" not in fixed
             and N * cfg.num_heads * query_blocks(cfg, Lq) >= STRIP_RANGE_TILES * grid):
         # One round of single CTAs over long ranges at up to three levels: where the first level's rows are whole
         # tiles the kernel takes its tiles in column strips (KernelConfig.strips; elsewhere a copy of the tile loop
@@ -514,9 +524,10 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # 102.5, its first two 79.1 -> 79.8, bev-self-attention (several rounds) 82.1 -> 82.1. Not taken: four levels
         # (the copies cost detr-encoder 121.0 -> 123.7, -init 110.3 -> 112.4, dcnv4-test 83.1 -> 85.0), several rounds
         # (128x128-32x32 at N=8: 358.7 -> 390.3), ranges under STRIP_RANGE_TILES tiles (64x64-16x16 at N=2, 20 a range:
-        # 31.1 -> 31.9), and the fused kernel (out/ script, H200, both orders: on, Mask2Former's and Cityscapes' shapes
-        # 8-9% faster in fp16 and bf16, 135.8 -> 124.8 and 137.7 -> 125.5; off, DETR's first three levels, the copies
-        # cost 10-12%, 136.8 -> 153.1).
+        # 31.1 -> 31.9), and the fused kernel unless the host knows that the strips are on (first_level_strips: a level
+        # table on the CPU, as transformers' models pass it): out/ script, H200, both orders, on: Mask2Former's and
+        # Cityscapes' shapes 8-9% faster in fp16 and bf16, 135.8 -> 124.8 and 137.7 -> 125.5; off: DETR's first
+        # three levels, the copies cost 10-12%, 136.8 -> 153.1.
         changes["strips"] = True
     if (one_round_long and _hints_measured(cfg, permuted) and cfg.level_points <= 16 and "segment_cost" not in fixed
             and _segment_cost_fits(N, Lq, cfg, SEGMENT_COST)):
