@@ -103,10 +103,9 @@ def _forward_fused_cuda(value, spatial_shapes, level_start_index, reference_poin
     if reason is None:
         reason = _hopper_fused_unavailable_reason()
     if reason is None:
-        strips = None if host_table is None else _hopper_interface.strip_rows(*host_table, Lq)
         return _hopper_interface.msda_forward_fused(
             value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
-            first_level_strips=strips,
+            host_levels=host_table,
         )
     _op._warn_slow_path(reason)
     # Locations and softmax with torch ops, then the forward op (its slow path here).

@@ -234,7 +234,7 @@ def test_torch_compile_fullgraph(gen):
 
 
 class _Calls(list):
-    """The stand-in entry point's calls, and (as .strips) what each heard of the strips."""
+    """The stand-in entry point's calls, and (as .tables) the host's level table each was handed."""
 
 
 @pytest.fixture
@@ -246,16 +246,15 @@ def cuda_kernel(monkeypatch):
     interface = types.ModuleType("cute_deform.hopper.interface")
 
     def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                           attention_logits, first_level_strips=None):
+                           attention_logits, host_levels=None):
         calls.append((value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits))
-        strips.append(first_level_strips)
+        tables.append(host_levels)
         N, _, M, D = value.shape
         return value.new_empty((N, reference_points.shape[1], M * D))
 
-    strips = []  # what the entry point heard of the strips (the host's reading of a CPU level table, or None)
+    tables = []  # the level table each call handed over as read on the host (a CPU table), or None
     interface.msda_forward_fused = msda_forward_fused
-    interface.strip_rows = lambda levels, starts, Lq: ("read", tuple(map(tuple, levels)), tuple(starts), Lq)
-    calls.strips = strips
+    calls.tables = tables
     package = types.ModuleType("cute_deform.hopper")
     package.interface = interface
     monkeypatch.setitem(sys.modules, "cute_deform.hopper", package)
@@ -291,11 +290,10 @@ def test_cuda_kernel_hands_raw_inputs_to_the_hopper_entry_point(gen, cuda_kernel
     assert shapes.device.type == "meta" and starts.device.type == "meta"
     run([meta[0], args[1].clone(), args[2].clone()] + meta[3:])
     assert calls[2][1] is shapes and calls[2][2] is starts
-    # The entry point hears the host's reading of a CPU table (whether the kernel's strips are on), and None for a
-    # table on the device, which the host does not read.
-    Lq = args[3].shape[1]
-    read = ("read", tuple(map(tuple, args[1].tolist())), tuple(args[2].tolist()), Lq)
-    assert calls.strips == [None, read, read]
+    # The entry point is handed a CPU table as the host read it (the launch decides the kernel's strips from it), and
+    # None for a table on the device, which the host does not read.
+    read = (args[1].tolist(), args[2].tolist())
+    assert calls.tables == [None, read, read]
     with pytest.raises(ValueError, match=r"cute_deform: value: expected dim 1 \(S\)"):
         run([meta[0][:, 1:], args[1], args[2]] + meta[3:])
 

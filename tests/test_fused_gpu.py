@@ -172,7 +172,7 @@ def test_fused_kernel_under_session_30_launch_rules(gen, levels, batch, queries)
 @pytest.mark.parametrize("levels", [[(128, 128), (64, 64), (32, 32)], [(100, 167), (50, 84), (25, 42)]])
 def test_fused_op_with_a_host_level_table_takes_strips_where_they_are_on(gen, levels):
     """Through the op, a level table on the CPU (as transformers' models pass it) tells the fused launch whether
-    the kernel's strips are on (launch_rules.strip_rows): Mask2Former's levels take them, DETR's 167-pixel rows
+    the kernel's strips are on (interface._host_strips): Mask2Former's levels take them, DETR's 167-pixel rows
     do not; each within the bound of float64 (outputs poisoned), as the launch without strips."""
     from cute_deform.hopper import interface, launch_rules
 
@@ -181,7 +181,7 @@ def test_fused_op_with_a_host_level_table_takes_strips_where_they_are_on(gen, le
                              ref_dtype=torch.float16, offset_dtype=torch.float16, logit_dtype=torch.float16)
     value, shapes, starts, ref_points, offsets, logits = args
     args = [value.cuda(), shapes, starts, ref_points.cuda(), offsets.cuda(), logits.cuda()]  # tables on the CPU
-    on = launch_rules.strip_rows(shapes.tolist(), starts.tolist(), S)
+    on = launch_rules.strip_rows(shapes.tolist(), starts.tolist(), S, 32)  # 32 queries a tile at D = 32, fp16
     assert on == (levels[0][1] % 32 == 0)
     expected = fused_reference(*args, out_dtype=torch.float64)
     poison_allocator(2 * S * 8 * 32 * 4)

@@ -1114,4 +1114,17 @@ def test_strip_rows_on_the_host_agrees_with_the_kernels_map(levels, Lq):
     for h, w in levels[:-1]:
         starts.append(starts[-1] + h * w)
     moved = (strip_blocks(levels, Lq) != np.arange(-(-Lq // 32))).any()
-    assert launch_rules.strip_rows(levels, starts, Lq) == bool(moved)
+    assert launch_rules.strip_rows(levels, starts, Lq, 32) == bool(moved)
+
+
+@pytest.mark.parametrize("D,W,on", [(32, 96, True), (16, 96, False), (16, 128, True), (64, 48, True), (64, 40, False)])
+def test_the_hosts_reading_of_the_strips_uses_the_kernels_tile(D, W, on):
+    """The fused op's launch reads a host level table at the kernel's own tile (32 queries at D = 32 in fp16, 64 at
+    D = 16, 16 at D = 64), so that it takes the strips exactly where the kernel's strip_plan turns them on."""
+    from cute_deform.hopper import interface
+    cfg = tiled("float16", "float16", "float16", 8, 3, 4, D, fused=True)
+    levels = [(64, W), (32, W // 2), (16, W // 4)]
+    starts = [0, 64 * W, 64 * W + 32 * (W // 2)]
+    S = sum(h * w for h, w in levels)
+    assert interface._host_strips(cfg, (levels, starts), S) is on
+    assert interface._host_strips(cfg, None, S) is None

@@ -30,7 +30,7 @@ from .. import native
 from .compile_cache import kernel_for
 from .config import KernelConfig, tiled_kernel_fits
 from .generic import GenericConfig
-from .launch_rules import TUNING, choose_launch, strip_rows  # noqa: F401 (strip_rows: for fused.py)
+from .launch_rules import TUNING, choose_launch, strip_rows
 from .order import ORDER_CELLS, ORDER_MAX_QUERIES, OrderConfig, order_grid
 
 TORCH_TO_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -136,12 +136,12 @@ def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, a
 
 
 def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                       attention_logits, first_level_strips=None, **tuning):
+                       attention_logits, host_levels=None, **tuning):
     """Deformable DETR's sampling (locations from reference points and offsets, softmax of the logits)
-    and the forward in one kernel, on validated CUDA tensors of an sm_90 device. first_level_strips:
-    launch_rules.strip_rows of the level table where the caller holds it on the host, else None."""
+    and the forward in one kernel, on validated CUDA tensors of an sm_90 device. host_levels: the level table
+    as lists ((H, W) pairs, first pixels) where the caller holds it on the host, else None (_host_strips)."""
     return _on_device(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits, reference_points,
-                      tuning, first_level_strips)
+                      tuning, host_levels)
 
 
 @functools.cache
@@ -149,15 +149,15 @@ def _one_device() -> bool:
     return torch.cuda.device_count() == 1
 
 
-def _on_device(value, shapes, starts, loc, attn, ref, tuning, strips=None):
+def _on_device(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
     # With one visible GPU it is always current (current_device() is ~2 us of a call).
     if _one_device():
-        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels)
     index = value.get_device()
     if index == torch.cuda.current_device():
-        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels)
     with torch.cuda.device(index):
-        return _launch(value, shapes, starts, loc, attn, ref, tuning, strips)
+        return _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels)
 
 
 def query_order(loc: torch.Tensor, ref: torch.Tensor | None, shapes: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,14 @@ def _placeholder(device, shape) -> torch.Tensor:
     return t
 
 
-def _launch(value, shapes, starts, loc, attn, ref, tuning, strips=None):
+def _host_strips(cfg, host_levels, Lq: int):
+    """Whether the kernel of cfg takes the first level's tiles in strips (launch_rules.strip_rows at its own tile),
+    read from a level table the caller holds on the host; None where it does not (a table on the device is not
+    read: no host sync)."""
+    return None if host_levels is None else strip_rows(*host_levels, Lq, cfg.queries_per_tile)
+
+
+def _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
     window, reorder = None, "auto"
@@ -234,6 +241,7 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning, strips=None):
             native.register(value, loc, attn, ref, plan.fn, True, grid, 0, 0, _placeholder(device, (1, 1)),
                             _placeholder(device, (1, 1, 16)))
         return out
+    strips = _host_strips(cfg, host_levels, Lq)
     size = (N, Lq, S, window, reorder, strips)
     launch = plan.launches.get(size)
     if launch is None:

@@ -84,9 +84,9 @@ SEGMENT_COST = 4
 STRIP_RANGE_TILES = 64
 
 
-def strip_rows(levels, starts, Lq: int, tile: int = 32) -> bool:
+def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
     """Whether the kernel takes the first level's tiles in strips (tile_scheduler.strip_plan's test), from a level
-    table the host holds: levels as (H, W) pairs, starts the levels' first pixels."""
+    table the host holds: levels as (H, W) pairs, starts the levels' first pixels, tile the kernel's queries a tile."""
     if not levels:
         return False
     H, W = levels[0]
