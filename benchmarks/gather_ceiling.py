@@ -157,6 +157,11 @@ def coords_from_locations(loc, levels):
     return out.reshape(-1)
 
 
+def skip_levels(coords, N, Lq, P, first):
+    """Levels first.. of packed coordinates (in place) at the corner (-2, -2): none of its corners lies in the level."""
+    coords.view(N, Lq, M, L, P)[:, :, :, first:, :] = (-2 * 65536) | (-2 & 0xFFFF)
+
+
 def inputs_for(name, pattern, gen, dev, small=False):
     """(value, coords, compare.Shape) of one preset and pattern, or None where the preset is compare.py's
     only and the pattern is not 'preset'. small: the first image and at most 500 queries."""
@@ -277,7 +282,13 @@ def main():
     ap.add_argument("--dry", action="store_true", help="CPU check of data generation and reference only")
     ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--rep", type=float, default=50)
+    ap.add_argument("--gather-levels", type=int, default=L,
+                    help="gather only the first K levels: the samples of the others get the corner (-2, -2), so "
+                         "each of their loads reads one clamped pixel (an L1 hit) and adds nothing; the time of a "
+                         "kernel that stages those levels, less the staging")
     args = ap.parse_args()
+    if not 1 <= args.gather_levels <= L:
+        sys.exit(f"--gather-levels must be in [1, {L}]")
     presets = args.presets.split(",")
     which = args.methods.split(",")
     patterns = args.patterns.split(",")
@@ -366,6 +377,8 @@ def main():
                 N, Lq, levels, P = shape.N, shape.Lq, shape.levels, shape.P
                 starts, S = level_info(levels)
                 nsamp = shape.samples
+                if args.gather_levels < L:
+                    skip_levels(coords, N, Lq, P, args.gather_levels)
                 ref, touched = reference_xor(value, coords, N, Lq, P, levels)
                 floor_bytes = shape.floor_bytes(2, touched)
                 floors[(name, pat)] = (floor_bytes, floor_bytes / copy_bw * 1e6, touched * D * 2, nsamp)

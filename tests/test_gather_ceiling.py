@@ -54,3 +54,24 @@ def test_dry_run_checks_its_reference():
     lines = [line for line in out.stdout.splitlines() if line.startswith("dry ")]
     assert len(lines) == 4, out.stdout  # detr-decoder-ref is compare.py's only: the preset pattern alone
     assert all(" OK;" in line for line in lines), out.stdout
+
+
+def test_skipped_levels_read_no_rows():
+    """--gather-levels K: the samples of levels K.. read no row of value, so the load-only time is the gathers of
+    the first K levels alone (the time of a kernel that stages the others, less its staging)."""
+    shape = _preset("decoder-b16", N=2)
+    (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, torch.Generator().manual_seed(5), device="cpu")
+    coords = gather_ceiling.coords_from_locations(loc, shape.levels)
+    args = (shape.N, shape.Lq, shape.P, shape.levels)
+    _, touched_all = gather_ceiling.reference_xor(value, coords, *args)
+    kept = torch.zeros_like(value)
+    first = shape.levels[0][0] * shape.levels[0][1] + shape.levels[1][0] * shape.levels[1][1]
+    kept[:, :first] = value[:, :first]  # the rows of levels 2.. zeroed: their XOR must not change the answer
+    fine_loc = loc.clone()
+    fine_loc[:, :, :, 2:] = float("nan")  # the original kernel's rule: nothing read
+    _, touched_fine = gather_ceiling.reference_xor(value, gather_ceiling.coords_from_locations(fine_loc, shape.levels),
+                                                   *args)
+    gather_ceiling.skip_levels(coords, shape.N, shape.Lq, shape.P, 2)
+    ref, touched = gather_ceiling.reference_xor(value, coords, *args)
+    assert touched == touched_fine < touched_all
+    assert ref == gather_ceiling.reference_xor(kept, coords, *args)[0]
