@@ -39,6 +39,7 @@ Result, NVIDIA H200, 2026-11-21 (Gsamples/s of the best configuration; copy band
 Run on the GPU machine:  cd benchmarks && python3 gather_ceiling.py      (needs torch, triton, nvcc)
     python3 gather_ceiling.py --patterns preset --methods ldg --presets dcnv4-test,detr-encoder-init,seed-b48
 Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the torch side only, tiny sizes)
+         --gather-levels K (only the first K levels gathered: the time of a kernel that stages the others)
 """
 import argparse
 import ctypes
