@@ -71,7 +71,7 @@ __device__ __forceinline__ int sel(const int (&a)[K], int i) {
 template <int P, int TPQ, int U, int HP>
 __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ value, const uint32_t* __restrict__ coords,
                                                   Levels lv, int N, int Lq, int M, int S, int contig,
-                                                  uint32_t* __restrict__ out) {
+                                                  int gather_levels, uint32_t* __restrict__ out) {
   constexpr int HPW = HP ? 2 : 1;        // heads per warp
   constexpr int QW = 32 / TPQ / HPW;     // queries per warp
   constexpr int CPT = 16 / TPQ;          // corners per thread per sample
@@ -116,6 +116,7 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     }
 #pragma unroll
     for (int l = 0; l < L; ++l) {
+      if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
       const int H = lv.H[l], W = lv.W[l];
       const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
 #pragma unroll
@@ -483,13 +484,13 @@ int gc_ldg_occupancy(int P, int tpq, int u, int hp, int* occ) {
 }
 
 int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int hp, int contig, int grid,
-           void* out, void* stream) {
+           int gather_levels, void* out, void* stream) {
   const void* f = ldg_fn(P, tpq, u, hp);
   if (!f) return -2;
   Levels lv = levels_of(g);
   int N = g[0], Lq = g[1], M = g[2], S = g[3];
   cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, 0);  // all of it as L1
-  void* args[] = {(void*)&value, (void*)&coords, (void*)&lv, &N, &Lq, &M, &S, &contig, &out};
+  void* args[] = {(void*)&value, (void*)&coords, (void*)&lv, &N, &Lq, &M, &S, &contig, &gather_levels, &out};
   cudaError_t e = cudaLaunchKernel(f, dim3(grid), dim3(256), args, 0, (cudaStream_t)stream);
   return (int)e;
 }

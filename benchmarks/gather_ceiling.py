@@ -94,7 +94,7 @@ def build_lib():
     lib.gc_error_string.restype = ctypes.c_char_p
     lib.gc_encode_maps.argtypes = [vp, vp, ip]
     lib.gc_ldg_occupancy.argtypes = [i, i, i, i, ip]
-    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, i, vp, vp]
+    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, i, i, vp, vp]
     lib.gc_tma_occupancy.argtypes = [i, i, i, i, i, i, i, i, ip]
     lib.gc_tma.argtypes = [vp, vp, vp, ip, i, i, i, i, i, i, i, i, vp, vp]
     return lib
@@ -284,9 +284,9 @@ def main():
     ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--rep", type=float, default=50)
     ap.add_argument("--gather-levels", type=int, default=L,
-                    help="gather only the first K levels: the samples of the others get the corner (-2, -2), so "
-                         "each of their loads reads one clamped pixel (an L1 hit) and adds nothing; the time of a "
-                         "kernel that stages those levels, less the staging")
+                    help="gather only the first K levels (the time of a kernel that stages the others, less the "
+                         "staging): the LDG methods issue no loads for the others; the TMA methods load their boxes "
+                         "at the corner (-2, -2), all zero fill")
     args = ap.parse_args()
     if not 1 <= args.gather_levels <= L:
         sys.exit(f"--gather-levels must be in [1, {L}]")
@@ -392,7 +392,8 @@ def main():
                 obuf = ctypes.c_void_p(out_buf.data_ptr())
 
                 def run_ldg(c):
-                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["hp"], c["contig"], c["grid"], obuf, stream)
+                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["hp"], c["contig"], c["grid"],
+                                      args.gather_levels, obuf, stream)
 
                 def run_tma(c, nstg):
                     return lib.gc_tma(maps_p, vp, cp, geom, P, nstg, c["B"], c["order"], c["stages"], c["nprod"],
