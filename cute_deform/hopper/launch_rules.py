@@ -85,12 +85,13 @@ STRIP_RANGE_TILES = 64
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
-    """Whether the kernel takes the first level's tiles in strips (tile_scheduler.strip_plan's test), from a level
-    table the host holds: levels as (H, W) pairs, starts the levels' first pixels, tile the kernel's queries a tile."""
+    """Whether the kernel takes the first level's tiles in strips (tile_scheduler.strips_on, the kernel's own test),
+    from a level table the host holds: levels as (H, W) pairs, starts the levels' first pixels, tile the kernel's
+    queries a tile."""
     if not levels:
         return False
     H, W = levels[0]
-    return starts[0] == 0 and W % tile == 0 and W > tile and H > 1 and H * W <= Lq and Lq < 1 << 24
+    return bool(tile_scheduler.strips_on(H, W, starts[0], Lq, tile))
 
 
 def launch_variants(cfg) -> list:

@@ -164,12 +164,18 @@ class TileScheduler:
         return cutlass.select_(place < strip_blocks, strip, place)
 
 
+def strips_on(H, W, first, Lq, tile: int):
+    """Whether a segment's first level (H x W pixels from pixel `first`) takes its tiles in strips: it starts at
+    pixel 0, its width is a multiple of the tile (more than one), it has more than one row, and the queries (fewer
+    than 2^24) cover it. One test for the kernel, on its level table (strip_plan), and for the host, on a table it
+    holds (launch_rules.strip_rows)."""
+    return (first == 0) & (W % tile == 0) & (W > tile) & (H > 1) & (H * W <= Lq) & (Lq < (1 << 24))
+
+
 def strip_plan(sizes, starts, Lq, tile: int):
     """KernelConfig.strips: (blocks in strips, rows, blocks a row, 1 / rows) of the first level, whose tiles take
-    strips where its first pixel is 0, its width a multiple of the tile (more than one), it has more than one row,
-    and the queries (fewer than 2^24) cover it; otherwise no block does (0 blocks in strips)."""
+    strips where strips_on; otherwise no block does (0 blocks in strips)."""
     H, W = sizes[0]
-    on = ((starts[0] == 0) & ((W % tile) == 0) & (W > tile) & (H > 1) & (cutlass.Int64(H) * W <= Lq)
-          & (Lq < (1 << 24)))
+    on = strips_on(cutlass.Int64(H), W, starts[0], Lq, tile)  # H * W in 64 bits
     row_blocks = W // tile
     return (cutlass.select_(on, H * row_blocks, 0), H, row_blocks, 1.0 / cutlass.Float32(cutlass.max(H, 1)))
