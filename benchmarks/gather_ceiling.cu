@@ -18,6 +18,11 @@
 //                half: the same L1 banks).
 //                A corner outside the level loads the clamped pixel and is masked to zero (unpredicated loads
 //                let ptxas keep more loads in flight than `if (inside) v = load`).
+//                BK>0 (bulk): each warp item also reads its even share of a contiguous buffer (the bytes a real
+//                kernel reads in bulk: the staged levels whole, its inputs) and writes its share of an output
+//                buffer, streaming. BK=1: the reads after the item's gathers; BK=2: a lane's first four words
+//                issued before them; BK=3: one lane copies the share into shared memory with 1-d TMA bulk copies
+//                (the first issued before the gathers), which the warp XORs out after them.
 //   tma_kernel : warp-specialised; NPROD producer warps issue one cp.async.bulk.tensor.5d box [32,1,2,2,1]
 //                per sample (one box per lane) into a ring of STAGES rounds of B boxes guarded by
 //                full/empty mbarriers; consumer warps XOR the boxes out of shared memory.
@@ -62,96 +67,7 @@ __device__ __forceinline__ int sel(const int (&a)[K], int i) {
   return r;
 }
 
-// ------------------------------------------------------------------------------------------------------------
-// (a) LDG
-// ------------------------------------------------------------------------------------------------------------
-// Warp item = (n, query tile of QW queries, m), m fastest; a block of 8 warps takes 8 consecutive warp items
-// (block item). contig=0: block items are spread over blocks grid-stride (neighbouring blocks run
-// neighbouring queries, like a non-persistent launch); contig=1: each block takes a contiguous slice.
-template <int P, int TPQ, int U, int HP>
-__global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ value, const uint32_t* __restrict__ coords,
-                                                  Levels lv, int N, int Lq, int M, int S, int contig,
-                                                  int gather_levels, uint32_t* __restrict__ out) {
-  constexpr int HPW = HP ? 2 : 1;        // heads per warp
-  constexpr int QW = 32 / TPQ / HPW;     // queries per warp
-  constexpr int CPT = 16 / TPQ;          // corners per thread per sample
-  constexpr int CSTEP = TPQ / 4;         // corner stride between a thread's corners
-  constexpr int UU = U < P ? U : P;      // samples whose loads are issued together
-  static_assert(P % UU == 0, "U must divide P");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int wpb = blockDim.x >> 5;
-  const int qi = lane / (TPQ * HPW), hh = (lane / TPQ) % HPW, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
-  const int nqt = (Lq + QW - 1) / QW;
-  const int MI = (M + HPW - 1) / HPW;    // head items
-  const long total_items = (long)N * nqt * MI;
-  const long total_bitems = (total_items + wpb - 1) / wpb;
-  long b_begin, b_end, b_step;
-  if (contig) {
-    b_begin = total_bitems * blockIdx.x / gridDim.x;
-    b_end = total_bitems * (blockIdx.x + 1) / gridDim.x;
-    b_step = 1;
-  } else {
-    b_begin = blockIdx.x;
-    b_end = total_bitems;
-    b_step = gridDim.x;
-  }
-  const int ps = M * 4;  // pixel stride in uint4
-  uint32_t acc = 0;
-  for (long bi = b_begin; bi < b_end; bi += b_step) {
-    const long item = bi * wpb + warp;
-    if (item >= total_items) continue;
-    const int m = (int)(item % MI) * HPW + hh;
-    const long r = item / MI;
-    const int qt = (int)(r % nqt);
-    const int n = (int)(r / nqt);
-    const int q = qt * QW + qi;
-    if (q >= Lq || m >= M) continue;
-    const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
-    // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
-    uint32_t cc[L * P];
-#pragma unroll
-    for (int i = 0; i < L * P / 4; ++i) {
-      const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(cp) + i);
-      cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
-    }
-#pragma unroll
-    for (int l = 0; l < L; ++l) {
-      if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
-      const int H = lv.H[l], W = lv.W[l];
-      const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
-#pragma unroll
-      for (int p0 = 0; p0 < P; p0 += UU) {
-        uint4 v[UU][CPT];
-        uint32_t okm[UU][CPT];
-#pragma unroll
-        for (int u = 0; u < UU; ++u) {
-          const uint32_t c = cc[l * P + p0 + u];
-          const int x0 = coord_x(c), y0 = coord_y(c);
-#pragma unroll
-          for (int k = 0; k < CPT; ++k) {
-            const int corner = c0 + k * CSTEP;
-            const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
-            // unpredicated load from the clamped pixel, zeroed afterwards if the corner is outside: lets the
-            // compiler keep all of the batch's loads in flight
-            const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
-            const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
-            okm[u][k] = ok ? 0xffffffffu : 0u;
-            v[u][k] = __ldg(vb + (yc * W + xc) * ps);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < UU; ++u)
-#pragma unroll
-          for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
-      }
-    }
-  }
-  write_warp_xor(out, acc);
-}
-
-// ------------------------------------------------------------------------------------------------------------
-// (b)/(c) TMA, warp-specialised
-// ------------------------------------------------------------------------------------------------------------
+// mbarriers and TMA copies (the LDG kernel's bulk form 3 and the TMA kernels)
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(uint32_t a, int cnt) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(cnt) : "memory");
@@ -191,6 +107,155 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// ------------------------------------------------------------------------------------------------------------
+// (a) LDG
+// ------------------------------------------------------------------------------------------------------------
+// Warp item = (n, query tile of QW queries, m), m fastest; a block of 8 warps takes 8 consecutive warp items
+// (block item). contig=0: block items are spread over blocks grid-stride (neighbouring blocks run
+// neighbouring queries, like a non-persistent launch); contig=1: each block takes a contiguous slice.
+template <int P, int TPQ, int U, int HP, int BK>
+__global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ value, const uint32_t* __restrict__ coords,
+                                                  Levels lv, int N, int Lq, int M, int S, int contig,
+                                                  int gather_levels, const uint4* __restrict__ bulk, long bulk_words,
+                                                  uint4* __restrict__ sink, long sink_words,
+                                                  uint32_t* __restrict__ out) {
+  constexpr int HPW = HP ? 2 : 1;        // heads per warp
+  constexpr int QW = 32 / TPQ / HPW;     // queries per warp
+  constexpr int CPT = 16 / TPQ;          // corners per thread per sample
+  constexpr int CSTEP = TPQ / 4;         // corner stride between a thread's corners
+  constexpr int UU = U < P ? U : P;      // samples whose loads are issued together
+  static_assert(P % UU == 0, "U must divide P");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wpb = blockDim.x >> 5;
+  const int qi = lane / (TPQ * HPW), hh = (lane / TPQ) % HPW, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
+  const int nqt = (Lq + QW - 1) / QW;
+  const int MI = (M + HPW - 1) / HPW;    // head items
+  const long total_items = (long)N * nqt * MI;
+  const long total_bitems = (total_items + wpb - 1) / wpb;
+  long b_begin, b_end, b_step;
+  if (contig) {
+    b_begin = total_bitems * blockIdx.x / gridDim.x;
+    b_end = total_bitems * (blockIdx.x + 1) / gridDim.x;
+    b_step = 1;
+  } else {
+    b_begin = blockIdx.x;
+    b_end = total_bitems;
+    b_step = gridDim.x;
+  }
+  const int ps = M * 4;  // pixel stride in uint4
+  uint32_t acc = 0;
+  constexpr int SCRATCH = 128;  // uint4 words of one warp's shared-memory chunk (BK=3)
+  __shared__ __align__(128) uint4 scratch[BK == 3 ? 8 * SCRATCH : 1];
+  __shared__ __align__(8) uint64_t bulk_bar[BK == 3 ? 8 : 1];
+  uint32_t bulk_phase = 0;
+  if constexpr (BK == 3) {
+    if (lane == 0) {
+      mbar_init(smem_u32(&bulk_bar[warp]), 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+  }
+  // BK=3: one lane copies words [w, w + n) of bulk into this warp's chunk of shared memory
+  auto copy_chunk = [&](long w, long n) {
+    if (lane == 0) {
+      const uint32_t bar = smem_u32(&bulk_bar[warp]);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the warp's reads of the last chunk first
+      mbar_arrive_expect_tx(bar, (uint32_t)n * 16u);
+      bulk_copy(smem_u32(&scratch[warp * SCRATCH]), bulk + w, (uint32_t)n * 16u, bar);
+    }
+  };
+  auto xor_chunk = [&](long n) {
+    mbar_wait(smem_u32(&bulk_bar[warp]), bulk_phase);
+    bulk_phase ^= 1;
+    for (int k = lane; k < n; k += 32) acc ^= xor4(scratch[warp * SCRATCH + k]);
+    __syncwarp();
+  };
+  for (long bi = b_begin; bi < b_end; bi += b_step) {
+    const long item = bi * wpb + warp;
+    if (item >= total_items) continue;
+    constexpr int AHEAD = BK == 2 ? 4 : 0;  // bulk words a lane keeps in flight across the item's gathers
+    uint4 ahead[AHEAD > 0 ? AHEAD : 1];
+    long bulk_lo = 0, bulk_hi = 0;
+    if constexpr (BK > 0) {  // this item's share of the bulk reads
+      bulk_lo = bulk_words * item / total_items;
+      bulk_hi = bulk_words * (item + 1) / total_items;
+#pragma unroll
+      for (int k = 0; k < AHEAD; ++k) {
+        const long w = bulk_lo + lane + 32 * k;
+        ahead[k] = w < bulk_hi ? __ldcs(bulk + w) : make_uint4(0, 0, 0, 0);
+      }
+      if constexpr (BK == 3) {
+        if (bulk_hi > bulk_lo) copy_chunk(bulk_lo, min(bulk_hi - bulk_lo, (long)SCRATCH));
+      }
+    }
+    const int m = (int)(item % MI) * HPW + hh;
+    const long r = item / MI;
+    const int qt = (int)(r % nqt);
+    const int n = (int)(r / nqt);
+    const int q = qt * QW + qi;
+    if (q < Lq && m < M) {
+      const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
+      // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
+      uint32_t cc[L * P];
+#pragma unroll
+      for (int i = 0; i < L * P / 4; ++i) {
+        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(cp) + i);
+        cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
+      }
+#pragma unroll
+      for (int l = 0; l < L; ++l) {
+        if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
+        const int H = lv.H[l], W = lv.W[l];
+        const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
+#pragma unroll
+        for (int p0 = 0; p0 < P; p0 += UU) {
+          uint4 v[UU][CPT];
+          uint32_t okm[UU][CPT];
+#pragma unroll
+          for (int u = 0; u < UU; ++u) {
+            const uint32_t c = cc[l * P + p0 + u];
+            const int x0 = coord_x(c), y0 = coord_y(c);
+#pragma unroll
+            for (int k = 0; k < CPT; ++k) {
+              const int corner = c0 + k * CSTEP;
+              const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
+              // unpredicated load from the clamped pixel, zeroed afterwards if the corner is outside: lets the
+              // compiler keep all of the batch's loads in flight
+              const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
+              const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
+              okm[u][k] = ok ? 0xffffffffu : 0u;
+              v[u][k] = __ldg(vb + (yc * W + xc) * ps);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < UU; ++u)
+#pragma unroll
+            for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
+        }
+      }
+    }
+    if constexpr (BK > 0) {
+      if constexpr (BK == 3) {
+        for (long w = bulk_lo; w < bulk_hi; w += SCRATCH) {
+          if (w > bulk_lo) copy_chunk(w, min(bulk_hi - w, (long)SCRATCH));
+          xor_chunk(min(bulk_hi - w, (long)SCRATCH));
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) acc ^= xor4(ahead[k]);
+#pragma unroll 4
+        for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
+      }
+      const long s_lo = sink_words * item / total_items, s_hi = sink_words * (item + 1) / total_items;
+      for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
+    }
+  }
+  write_warp_xor(out, acc);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// (b)/(c) TMA, warp-specialised
+// ------------------------------------------------------------------------------------------------------------
 __device__ __forceinline__ uint32_t lds32(uint32_t a) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
@@ -420,9 +485,14 @@ static Levels levels_of(const int* g) {
   return lv;
 }
 
-static const void* ldg_fn(int P, int tpq, int u, int hp) {
-#define GC_LDG(p, t, uu, h) \
-  if (P == p && tpq == t && u == uu && hp == h) return (const void*)ldg_kernel<p, t, uu, h>;
+// bk: the kernel's bulk form (0: no bulk work)
+static const void* ldg_fn(int P, int tpq, int u, int hp, int bk) {
+#define GC_LDG(p, t, uu, h)                                                                                  \
+  if (P == p && tpq == t && u == uu && hp == h) {                                                            \
+    const void* forms[4] = {(const void*)ldg_kernel<p, t, uu, h, 0>, (const void*)ldg_kernel<p, t, uu, h, 1>, \
+                            (const void*)ldg_kernel<p, t, uu, h, 2>, (const void*)ldg_kernel<p, t, uu, h, 3>}; \
+    return bk >= 0 && bk < 4 ? forms[bk] : nullptr;                                                          \
+  }
   GC_LDG(4, 4, 2, 0) GC_LDG(4, 4, 4, 0) GC_LDG(4, 8, 4, 0) GC_LDG(4, 16, 4, 0)
   GC_LDG(8, 4, 2, 0) GC_LDG(8, 4, 4, 0) GC_LDG(8, 8, 4, 0) GC_LDG(8, 16, 4, 0) GC_LDG(8, 16, 8, 0)
   GC_LDG(4, 4, 2, 1) GC_LDG(4, 4, 4, 1) GC_LDG(8, 4, 2, 1) GC_LDG(8, 4, 4, 1)
@@ -476,21 +546,25 @@ int gc_encode_maps(void* maps_out, const void* value, const int* g) {
 }
 
 // blocks of 256 threads; returns the max resident blocks per SM through occ (or <0 if the variant is missing)
-int gc_ldg_occupancy(int P, int tpq, int u, int hp, int* occ) {
-  const void* f = ldg_fn(P, tpq, u, hp);
+int gc_ldg_occupancy(int P, int tpq, int u, int hp, int bk, int* occ) {
+  const void* f = ldg_fn(P, tpq, u, hp, bk);
   if (!f) return -2;
-  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, 0);  // all of it as L1
+  // all of it as L1, but for the TMA bulk form's 16 KB a block of shared memory
+  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);
   return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, f, 256, 0);
 }
 
-int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int hp, int contig, int grid,
-           int gather_levels, void* out, void* stream) {
-  const void* f = ldg_fn(P, tpq, u, hp);
+int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int hp, int bk, int contig,
+           int grid, int gather_levels, const void* bulk, long long bulk_words, void* sink, long long sink_words,
+           void* out, void* stream) {
+  const void* f = ldg_fn(P, tpq, u, hp, bk);
+  long bw = (long)bulk_words, sw = (long)sink_words;
   if (!f) return -2;
   Levels lv = levels_of(g);
   int N = g[0], Lq = g[1], M = g[2], S = g[3];
-  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, 0);  // all of it as L1
-  void* args[] = {(void*)&value, (void*)&coords, (void*)&lv, &N, &Lq, &M, &S, &contig, &gather_levels, &out};
+  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);  // as occupancy's
+  void* args[] = {(void*)&value, (void*)&coords, (void*)&lv, &N,   &Lq, &M,    &S,
+                  &contig,        &gather_levels,  (void*)&bulk, &bw, &sink, &sw, &out};
   cudaError_t e = cudaLaunchKernel(f, dim3(grid), dim3(256), args, 0, (cudaStream_t)stream);
   return (int)e;
 }

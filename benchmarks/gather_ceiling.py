@@ -40,6 +40,10 @@ Run on the GPU machine:  cd benchmarks && python3 gather_ceiling.py      (needs 
     python3 gather_ceiling.py --patterns preset --methods ldg --presets dcnv4-test,detr-encoder-init,seed-b48
 Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the torch side only, tiny sizes)
          --gather-levels K (only the first K levels gathered: the time of a kernel that stages the others)
+         --bulk (LDG only: each warp item also streams its share of the bytes such a kernel must move besides
+                 its gathers: the other levels whole, the inputs' other 8 bytes a sample, the output)
+         --bulk-only (the same bulk bytes with no gathers at all: what they take alone)
+         --sort-samples (each image's, head's and level's samples dealt to its queries in address order)
 """
 import argparse
 import ctypes
@@ -93,8 +97,9 @@ def build_lib():
     lib.gc_error_string.argtypes = [i]
     lib.gc_error_string.restype = ctypes.c_char_p
     lib.gc_encode_maps.argtypes = [vp, vp, ip]
-    lib.gc_ldg_occupancy.argtypes = [i, i, i, i, ip]
-    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, i, i, vp, vp]
+    ll = ctypes.c_longlong
+    lib.gc_ldg_occupancy.argtypes = [i, i, i, i, i, ip]
+    lib.gc_ldg.argtypes = [vp, vp, ip, i, i, i, i, i, i, i, i, vp, ll, vp, ll, vp, vp]
     lib.gc_tma_occupancy.argtypes = [i, i, i, i, i, i, i, i, ip]
     lib.gc_tma.argtypes = [vp, vp, vp, ip, i, i, i, i, i, i, i, i, vp, vp]
     return lib
@@ -156,6 +161,21 @@ def coords_from_locations(loc, levels):
         y0 = torch.where(inside, torch.floor(h).nan_to_num(0), -2).to(torch.int32)
         out[:, :, :, l, :] = (y0 * 65536) | (x0 & 0xFFFF)
     return out.reshape(-1)
+
+
+def sort_samples(coords, N, Lq, P, levels):
+    """Each (image, head, level)'s samples dealt back to its queries in address order (in place): neighbouring queries,
+    which a kernel runs together, then read neighbouring rows. The rows read and their counts are unchanged, so the
+    XOR reference is too: the gathers of a design that visits samples by address, without the cost of sorting them or
+    of summing each query's samples from wherever they land."""
+    c = coords.view(N, Lq, M, L, P)
+    for l, (H, W) in enumerate(levels):
+        cl = c[:, :, :, l, :].permute(0, 2, 1, 3).reshape(N, M, Lq * P)  # (n, m, samples in (q, p) order)
+        x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
+        y0 = cl >> 16
+        order = ((y0 + 2) * (W + 4) + (x0 + 2)).argsort(dim=-1, stable=True)
+        dealt = cl.gather(-1, order).view(N, M, Lq, P).permute(0, 2, 1, 3)
+        c[:, :, :, l, :] = dealt
 
 
 def skip_levels(coords, N, Lq, P, first):
@@ -224,7 +244,12 @@ def reference_xor(value, coords, N, Lq, P, levels):
 
 
 # ------------------------------------------------------------------------------------------------ configs
-def ldg_configs(lib, N, Lq, P, sms, quick, hp=0):
+# The LDG kernel's bulk forms (--bulk): the reads after the gathers, four words a lane issued before them, or TMA
+# bulk copies into shared memory by one lane a warp.
+BULK_FORMS = {1: "bulk after", 2: "bulk 4 ahead", 3: "bulk by TMA"}
+
+
+def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False):
     variants = [(4, 2), (4, 4), (8, 4), (16, 4)] + ([(16, 8)] if P >= 8 else [])
     if quick:
         variants = [(4, 4), (16, 4)]
@@ -232,17 +257,29 @@ def ldg_configs(lib, N, Lq, P, sms, quick, hp=0):
         variants = [(4, 2), (4, 4)]
     out = []
     for tpq, u in variants:
-        occ = ctypes.c_int(0)
-        check(lib, lib.gc_ldg_occupancy(P, tpq, u, hp, ctypes.byref(occ)), "ldg occupancy")
-        b = occ.value
-        qw = 32 // tpq // (2 if hp else 1)  # queries per warp; a block is 8 warps = 8 (query tile, head) items
-        items = -(-M // 2) if hp else M  # head items, as the kernel counts them
-        total_blocks = (N * ((Lq + qw - 1) // qw) * items + 7) // 8
-        tag = f"TPQ={tpq} U={u}" + (" head pairs" if hp else "")
-        out.append(dict(tpq=tpq, u=u, hp=hp, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))
-        out.append(dict(tpq=tpq, u=u, hp=hp, contig=0, grid=sms * b, desc=f"{tag} {b}x256/SM interleaved"))
-        out.append(dict(tpq=tpq, u=u, hp=hp, contig=1, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous"))
+        for bk in BULK_FORMS if bulk else (0,):
+            occ = ctypes.c_int(0)
+            check(lib, lib.gc_ldg_occupancy(P, tpq, u, hp, bk, ctypes.byref(occ)), "ldg occupancy")
+            b = occ.value
+            qw = 32 // tpq // (2 if hp else 1)  # queries per warp; a block is 8 warps = 8 (query tile, head) items
+            items = -(-M // 2) if hp else M  # head items, as the kernel counts them
+            total_blocks = (N * ((Lq + qw - 1) // qw) * items + 7) // 8
+            tag = f"TPQ={tpq} U={u}" + (" head pairs" if hp else "") + (f" {BULK_FORMS[bk]}" if bk else "")
+            common = dict(tpq=tpq, u=u, hp=hp, bk=bk)
+            out.append(dict(common, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))
+            out.append(dict(common, contig=0, grid=sms * b, desc=f"{tag} {b}x256/SM interleaved"))
+            out.append(dict(common, contig=1, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous"))
     return out
+
+
+def bulk_bytes(shape, gather_levels: int) -> tuple[int, int]:
+    """(bytes read, bytes written) that a kernel gathering only the first gather_levels levels must still move, beside
+    the packed coordinates the load-only kernel reads (4 bytes a sample): the other levels whole (every head of every
+    pixel, fp16), the rest of the fp32 locations and weights (12 - 4 bytes a sample), and the fp16 output."""
+    staged_pixels = sum(h * w for h, w in shape.levels[gather_levels:])
+    read = shape.N * staged_pixels * shape.M * shape.D * 2 + shape.samples * 8
+    written = shape.N * shape.Lq * shape.M * shape.D * 2
+    return read, written
 
 
 def tma_configs(lib, P, nstg, sms, staged_px, quick):
@@ -287,11 +324,21 @@ def main():
                     help="gather only the first K levels (the time of a kernel that stages the others, less the "
                          "staging): the LDG methods issue no loads for the others; the TMA methods load their boxes "
                          "at the corner (-2, -2), all zero fill")
+    ap.add_argument("--bulk", action="store_true",
+                    help="LDG methods only: each warp item also streams its share of what a kernel that gathers only "
+                         "--gather-levels levels must move besides (bulk_bytes)")
+    ap.add_argument("--bulk-only", action="store_true", help="--bulk with no gathers at all: the bulk bytes alone")
+    ap.add_argument("--sort-samples", action="store_true",
+                    help="deal each (image, head, level)'s samples to its queries in address order (sort_samples)")
     args = ap.parse_args()
+    args.bulk = args.bulk or args.bulk_only
     if not 1 <= args.gather_levels <= L:
         sys.exit(f"--gather-levels must be in [1, {L}]")
+    gathered = 0 if args.bulk_only else args.gather_levels  # the levels the kernels gather
     presets = args.presets.split(",")
     which = args.methods.split(",")
+    if args.bulk and not set(which) <= {"ldg", "pairs"}:
+        sys.exit("--bulk takes the LDG methods only (--methods ldg,pairs)")
     patterns = args.patterns.split(",")
     for pat in patterns:
         if pat not in ("local", "uniform", "preset"):
@@ -378,9 +425,20 @@ def main():
                 N, Lq, levels, P = shape.N, shape.Lq, shape.levels, shape.P
                 starts, S = level_info(levels)
                 nsamp = shape.samples
-                if args.gather_levels < L:
-                    skip_levels(coords, N, Lq, P, args.gather_levels)
+                if args.sort_samples:
+                    sort_samples(coords, N, Lq, P, levels)
+                if gathered < L:
+                    skip_levels(coords, N, Lq, P, gathered)
                 ref, touched = reference_xor(value, coords, N, Lq, P, levels)
+                bulk = sink = None
+                bulk_note = ""
+                if args.bulk:  # fresh random words, each read once: their XOR joins the reference
+                    read, written = bulk_bytes(shape, args.gather_levels)
+                    bulk = torch.randint(-2**31, 2**31 - 1, (-(-read // 16) * 4,), dtype=torch.int32, device=dev,
+                                         generator=gen)
+                    sink = torch.empty(-(-written // 16) * 4, dtype=torch.int32, device=dev)
+                    ref ^= xor_all(bulk)
+                    bulk_note = f"; bulk {bulk.numel() * 4 / 1e6:.1f} MB read, {sink.numel() * 4 / 1e6:.1f} MB written"
                 floor_bytes = shape.floor_bytes(2, touched)
                 floors[(name, pat)] = (floor_bytes, floor_bytes / copy_bw * 1e6, touched * D * 2, nsamp)
                 geom = (ctypes.c_int * 16)(N, Lq, M, S, *[h for h, _ in levels], *[w for _, w in levels], *starts)
@@ -391,18 +449,23 @@ def main():
                 vp, cp = ctypes.c_void_p(value.data_ptr()), ctypes.c_void_p(coords.data_ptr())
                 obuf = ctypes.c_void_p(out_buf.data_ptr())
 
+                bulk_p = ctypes.c_void_p(bulk.data_ptr() if bulk is not None else 0)
+                sink_p = ctypes.c_void_p(sink.data_ptr() if sink is not None else 0)
+                bulk_words = bulk.numel() // 4 if bulk is not None else 0
+                sink_words = sink.numel() // 4 if sink is not None else 0
+
                 def run_ldg(c):
-                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["hp"], c["contig"], c["grid"],
-                                      args.gather_levels, obuf, stream)
+                    return lib.gc_ldg(vp, cp, geom, P, c["tpq"], c["u"], c["hp"], c["bk"], c["contig"], c["grid"],
+                                      gathered, bulk_p, bulk_words, sink_p, sink_words, obuf, stream)
 
                 def run_tma(c, nstg):
                     return lib.gc_tma(maps_p, vp, cp, geom, P, nstg, c["B"], c["order"], c["stages"], c["nprod"],
                                       c["ncons"], c["grid"], obuf, stream)
 
                 methods = []
-                for c in ldg_configs(lib, N, Lq, P, sms, args.quick) if "ldg" in which else []:
+                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, bulk=args.bulk) if "ldg" in which else []:
                     methods.append(("LDG", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
-                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, hp=1) if "pairs" in which else []:
+                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, hp=1, bulk=args.bulk) if "pairs" in which else []:
                     methods.append(("LDG-pairs", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
                 for c in tma_configs(lib, P, 0, sms, 0, args.quick) if "tma" in which else []:
                     methods.append(("TMA", c, (lambda c=c: run_tma(c, 0)), c["grid"] * (c["nprod"] + c["ncons"])))
@@ -441,8 +504,8 @@ def main():
                     else:
                         rows.append((name, pat, meth, float("nan"), float("nan"), float("nan"), float("nan"),
                                      "no config passed"))
-                print(f"{name} {pat}: ref xor {ref:08x}; " + ", ".join(line), flush=True)
-                del coords, value
+                print(f"{name} {pat}: ref xor {ref:08x}{bulk_note}; " + ", ".join(line), flush=True)
+                del coords, value, bulk, sink
                 torch.cuda.empty_cache()
     except Exception as e:  # print what we have, exit 1 at the end
         failed = True

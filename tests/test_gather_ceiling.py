@@ -75,3 +75,50 @@ def test_skipped_levels_read_no_rows():
     ref, touched = gather_ceiling.reference_xor(value, coords, *args)
     assert touched == touched_fine < touched_all
     assert ref == gather_ceiling.reference_xor(kept, coords, *args)[0]
+
+
+def test_bulk_bytes_are_what_a_staging_kernel_moves_besides_its_gathers():
+    """--bulk: the levels past the gathered ones whole (all heads, fp16), 8 of the 12 input bytes a sample (the
+    kernel reads the other 4 as packed coordinates) and the fp16 output."""
+    shape = _preset("decoder-b16", N=16, Lq=300)
+    read, written = gather_ceiling.bulk_bytes(shape, 2)
+    coarse = 16 * (25 * 42 + 13 * 21) * 8 * 32 * 2
+    samples = 16 * 300 * 8 * 4 * 4
+    assert read == coarse + 8 * samples
+    assert written == 16 * 300 * 8 * 32 * 2
+    assert shape.floor_bytes(2, 0) == written + 12 * samples  # the floor's inputs and output, no value rows
+    assert gather_ceiling.bulk_bytes(shape, 4)[0] == 8 * samples  # nothing staged: the inputs only
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+def test_load_only_kernels_build_with_their_bulk_forms(tmp_path):
+    """The .cu builds for sm_90a with every LDG kernel in its four forms (no bulk work, bulk reads after the
+    gathers, four words a lane ahead of them, TMA bulk copies)."""
+    import shutil
+    cubin = tmp_path / "gc.cubin"
+    out = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-O3", "-cubin", "-arch=sm_90a", "-o", str(cubin),
+                          str(ROOT / "benchmarks" / "gather_ceiling.cu")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    elf = cubin.read_bytes()  # the kernels' mangled names are in its symbol table
+    for bk in (0, 1, 2, 3):
+        assert f"_Z10ldg_kernelILi4ELi4ELi4ELi0ELi{bk}EEv".encode() in elf
+
+
+def test_sorted_samples_read_the_same_rows_in_address_order():
+    """--sort-samples: each (image, head, level)'s samples go to its queries in address order, with the same rows
+    read as often as before (the same XOR and touched rows)."""
+    shape = _preset("decoder-b16", N=2, Lq=50)
+    (value, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, torch.Generator().manual_seed(9), device="cpu")
+    coords = gather_ceiling.coords_from_locations(loc, shape.levels)
+    args = (shape.N, shape.Lq, shape.P, shape.levels)
+    before = gather_ceiling.reference_xor(value, coords, *args)
+    dealt = coords.clone()
+    gather_ceiling.sort_samples(dealt, *args)
+    assert gather_ceiling.reference_xor(value, dealt, *args) == before
+    c = dealt.view(shape.N, shape.Lq, gather_ceiling.M, gather_ceiling.L, shape.P)
+    for level, (H, W) in enumerate(shape.levels):
+        s = c[1, :, 3, level, :].reshape(-1)  # image 1, head 3: its samples in (q, p) order
+        x0, y0 = ((s & 0xFFFF) ^ 0x8000) - 0x8000, s >> 16
+        address = (y0 + 2) * (W + 4) + x0 + 2
+        assert (address[1:] >= address[:-1]).all()
+    assert not torch.equal(dealt, coords)
