@@ -170,6 +170,9 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     for (int k = lane; k < n; k += 32) acc ^= xor4(scratch[warp * SCRATCH + k]);
     __syncwarp();
   };
+  // each item's share of the bulk words (the last items' shorter or empty): no division in the item loop
+  const long bulk_share = (bulk_words + total_items - 1) / total_items;
+  const long sink_share = (sink_words + total_items - 1) / total_items;
   for (long bi = b_begin; bi < b_end; bi += b_step) {
     const long item = bi * wpb + warp;
     if (item >= total_items) continue;
@@ -177,8 +180,8 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     uint4 ahead[AHEAD > 0 ? AHEAD : 1];
     long bulk_lo = 0, bulk_hi = 0;
     if constexpr (BK > 0) {  // this item's share of the bulk reads
-      bulk_lo = bulk_words * item / total_items;
-      bulk_hi = bulk_words * (item + 1) / total_items;
+      bulk_lo = min(item * bulk_share, bulk_words);
+      bulk_hi = min(bulk_lo + bulk_share, bulk_words);
 #pragma unroll
       for (int k = 0; k < AHEAD; ++k) {
         const long w = bulk_lo + lane + 32 * k;
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
 #pragma unroll 4
         for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
       }
-      const long s_lo = sink_words * item / total_items, s_hi = sink_words * (item + 1) / total_items;
+      const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
       for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
     }
   }
