@@ -36,6 +36,10 @@ Result, NVIDIA H200, 2026-11-21 (Gsamples/s of the best configuration; copy band
   faster on the local pattern. The staged variant here is consumer-bound (one in-order consumer pipeline per CTA,
   1-2 CTAs per SM because of the ~80 KB of staged levels): a lower bound for that design, not its ceiling.
 
+The least data movement of a kernel that stages decoder-b16's two coarse levels (--gather-levels 2 --bulk, session 37,
+best configuration): 44.5-45.2 us on an H100 and 36.4-37.4 us on an H200, against 1/1.5 of DCNv4's time of 45.1-45.3
+and 38.6-38.8 us; the fine gathers alone take 39.8-40.4 and 32.8-33.5 us.
+
 Run on the GPU machine:  cd benchmarks && python3 gather_ceiling.py      (needs torch, triton, nvcc)
     python3 gather_ceiling.py --patterns preset --methods ldg --presets dcnv4-test,detr-encoder-init,seed-b48
 Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the torch side only, tiny sizes)
