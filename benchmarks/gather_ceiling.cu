@@ -548,24 +548,29 @@ int gc_encode_maps(void* maps_out, const void* value, const int* g) {
   return 0;
 }
 
+// an LDG kernel with its carveout set, the same for the occupancy query and the launch: all of it as L1, but for
+// the TMA bulk form's 16 KB a block of shared memory (nullptr if the variant is missing)
+static const void* ldg_kernel_for(int P, int tpq, int u, int hp, int bk) {
+  const void* f = ldg_fn(P, tpq, u, hp, bk);
+  if (f) cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);
+  return f;
+}
+
 // blocks of 256 threads; returns the max resident blocks per SM through occ (or <0 if the variant is missing)
 int gc_ldg_occupancy(int P, int tpq, int u, int hp, int bk, int* occ) {
-  const void* f = ldg_fn(P, tpq, u, hp, bk);
+  const void* f = ldg_kernel_for(P, tpq, u, hp, bk);
   if (!f) return -2;
-  // all of it as L1, but for the TMA bulk form's 16 KB a block of shared memory
-  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);
   return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occ, f, 256, 0);
 }
 
 int gc_ldg(const void* value, const void* coords, const int* g, int P, int tpq, int u, int hp, int bk, int contig,
            int grid, int gather_levels, const void* bulk, long long bulk_words, void* sink, long long sink_words,
            void* out, void* stream) {
-  const void* f = ldg_fn(P, tpq, u, hp, bk);
+  const void* f = ldg_kernel_for(P, tpq, u, hp, bk);
   long bw = (long)bulk_words, sw = (long)sink_words;
   if (!f) return -2;
   Levels lv = levels_of(g);
   int N = g[0], Lq = g[1], M = g[2], S = g[3];
-  cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);  // as occupancy's
   void* args[] = {(void*)&value, (void*)&coords, (void*)&lv, &N,   &Lq, &M,    &S,
                   &contig,        &gather_levels,  (void*)&bulk, &bw, &sink, &sw, &out};
   cudaError_t e = cudaLaunchKernel(f, dim3(grid), dim3(256), args, 0, (cudaStream_t)stream);

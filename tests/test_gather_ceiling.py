@@ -1,6 +1,7 @@
 """benchmarks/gather_ceiling.py on the CPU: the load-only kernel's coordinates from compare.py's real
 locations, its XOR reference and its DRAM floor's row count."""
 import dataclasses
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,10 @@ def test_bulk_bytes_are_what_a_staging_kernel_moves_besides_its_gathers():
     assert gather_ceiling.bulk_bytes(shape, 4)[0] == 8 * samples  # nothing staged: the inputs only
 
 
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_load_only_kernels_build_with_their_bulk_forms(tmp_path):
     """The .cu builds for sm_90a with every LDG kernel in its four forms (no bulk work, bulk reads after the
     gathers, four words a lane ahead of them, TMA bulk copies)."""
-    import shutil
     cubin = tmp_path / "gc.cubin"
     out = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-O3", "-cubin", "-arch=sm_90a", "-o", str(cubin),
                           str(ROOT / "benchmarks" / "gather_ceiling.cu")], capture_output=True, text=True, timeout=600)
