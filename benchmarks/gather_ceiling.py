@@ -48,6 +48,7 @@ Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the 
                  its gathers: the other levels whole, the inputs' other 8 bytes a sample, the output)
          --bulk-only (the same bulk bytes with no gathers at all: what they take alone)
          --sort-samples (each image's, head's and level's samples dealt to its queries in address order)
+         --sort-samples heads (each image's and level's samples of all heads in address order, heads fastest)
 """
 import argparse
 import ctypes
@@ -165,6 +166,24 @@ def coords_from_locations(loc, levels):
         y0 = torch.where(inside, torch.floor(h).nan_to_num(0), -2).to(torch.int32)
         out[:, :, :, l, :] = (y0 * 65536) | (x0 & 0xFFFF)
     return out.reshape(-1)
+
+
+def sort_samples_across_heads(coords, N, Lq, P, levels):
+    """Each (image, level)'s samples of all heads dealt back in address order (in place), heads fastest: the next
+    samples in address order go to the same query's and point's other heads, so the warps of a block (one query tile,
+    eight heads) read the rows of neighbouring pixels, every head's row of a pixel at about the same time. A sample
+    dealt to another head reads that head's row of its pixel, so the rows (and the XOR reference, computed after)
+    change; dealing heads fastest keeps one head's samples apart, and where locations are uniform (decoder-b16) the
+    rows read are 7% (level 0) and 18% (level 1) more than before, not fewer (dealing points fastest would give one
+    head runs of neighbouring samples whose footprints overlap: 25-40% fewer rows). The gathers of a design that
+    visits each image's samples by pixel, across heads."""
+    c = coords.view(N, Lq, M, L, P)
+    for l, (H, W) in enumerate(levels):
+        cl = c[:, :, :, l, :].reshape(N, Lq * M * P)
+        x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
+        y0 = cl >> 16
+        order = ((y0 + 2) * (W + 4) + (x0 + 2)).argsort(dim=-1, stable=True)
+        c[:, :, :, l, :] = cl.gather(-1, order).view(N, Lq, P, M).permute(0, 1, 3, 2)
 
 
 def sort_samples(coords, N, Lq, P, levels):
@@ -332,8 +351,9 @@ def main():
                     help="LDG methods only: each warp item also streams its share of what a kernel that gathers only "
                          "--gather-levels levels must move besides (bulk_bytes)")
     ap.add_argument("--bulk-only", action="store_true", help="--bulk with no gathers at all: the bulk bytes alone")
-    ap.add_argument("--sort-samples", action="store_true",
-                    help="deal each (image, head, level)'s samples to its queries in address order (sort_samples)")
+    ap.add_argument("--sort-samples", nargs="?", const="head", choices=("head", "heads"), default=None,
+                    help="deal each (image, head, level)'s samples to its queries in address order (sort_samples); "
+                         "'heads': each (image, level)'s samples of all heads (sort_samples_across_heads)")
     args = ap.parse_args()
     args.bulk = args.bulk or args.bulk_only
     if not 1 <= args.gather_levels <= L:
@@ -429,7 +449,9 @@ def main():
                 N, Lq, levels, P = shape.N, shape.Lq, shape.levels, shape.P
                 starts, S = level_info(levels)
                 nsamp = shape.samples
-                if args.sort_samples:
+                if args.sort_samples == "heads":
+                    sort_samples_across_heads(coords, N, Lq, P, levels)
+                elif args.sort_samples:
                     sort_samples(coords, N, Lq, P, levels)
                 if gathered < L:
                     skip_levels(coords, N, Lq, P, gathered)

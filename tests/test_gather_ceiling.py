@@ -122,3 +122,25 @@ def test_sorted_samples_read_the_same_rows_in_address_order():
         address = (y0 + 2) * (W + 4) + x0 + 2
         assert (address[1:] >= address[:-1]).all()
     assert not torch.equal(dealt, coords)
+
+
+def test_samples_sorted_across_heads_go_heads_fastest():
+    """--sort-samples heads: each (image, level)'s samples of all heads, in address order, dealt heads fastest (the
+    same samples, each image and level a permutation of its own), so a query's point holds neighbouring samples in
+    its eight heads and the next point the next ones."""
+    shape = _preset("decoder-b16", N=2, Lq=50)
+    (_, _, _, loc, _), _ = compare.make_inputs(shape, torch.float16, torch.Generator().manual_seed(5), device="cpu")
+    coords = gather_ceiling.coords_from_locations(loc, shape.levels)
+    dealt = coords.clone()
+    gather_ceiling.sort_samples_across_heads(dealt, shape.N, shape.Lq, shape.P, shape.levels)
+    M, L = gather_ceiling.M, gather_ceiling.L
+    before = coords.view(shape.N, shape.Lq, M, L, shape.P)
+    after = dealt.view(shape.N, shape.Lq, M, L, shape.P)
+    for n in range(shape.N):
+        for level, (H, W) in enumerate(shape.levels):
+            assert torch.equal(before[n, :, :, level].reshape(-1).sort().values,
+                               after[n, :, :, level].reshape(-1).sort().values)
+            s = after[n, :, :, level, :].permute(0, 2, 1).reshape(-1)  # (q, p, m): heads fastest
+            x0, y0 = ((s & 0xFFFF) ^ 0x8000) - 0x8000, s >> 16
+            address = (y0 + 2) * (W + 4) + x0 + 2
+            assert (address[1:] >= address[:-1]).all()
