@@ -168,6 +168,18 @@ def coords_from_locations(loc, levels):
     return out.reshape(-1)
 
 
+def unpack(packed):
+    """(x0, y0) of packed corners (make_coords' y0 << 16 | (x0 & 0xffff)), x0 sign-extended from 16 bits."""
+    return ((packed & 0xFFFF) ^ 0x8000) - 0x8000, packed >> 16
+
+
+def address_key(packed, W: int):
+    """A key that orders packed corners of a level W pixels wide by their top-left pixel's address (row-major,
+    the out-of-level corners from -2 included)."""
+    x0, y0 = unpack(packed)
+    return (y0 + 2) * (W + 4) + (x0 + 2)
+
+
 def sort_samples_across_heads(coords, N, Lq, P, levels):
     """Each (image, level)'s samples of all heads dealt back in address order (in place), heads fastest: the next
     samples in address order go to the same query's and point's other heads, so the warps of a block (one query tile,
@@ -180,9 +192,7 @@ def sort_samples_across_heads(coords, N, Lq, P, levels):
     c = coords.view(N, Lq, M, L, P)
     for l, (H, W) in enumerate(levels):
         cl = c[:, :, :, l, :].reshape(N, Lq * M * P)
-        x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
-        y0 = cl >> 16
-        order = ((y0 + 2) * (W + 4) + (x0 + 2)).argsort(dim=-1, stable=True)
+        order = address_key(cl, W).argsort(dim=-1, stable=True)
         c[:, :, :, l, :] = cl.gather(-1, order).view(N, Lq, P, M).permute(0, 1, 3, 2)
 
 
@@ -194,9 +204,7 @@ def sort_samples(coords, N, Lq, P, levels):
     c = coords.view(N, Lq, M, L, P)
     for l, (H, W) in enumerate(levels):
         cl = c[:, :, :, l, :].permute(0, 2, 1, 3).reshape(N, M, Lq * P)  # (n, m, samples in (q, p) order)
-        x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
-        y0 = cl >> 16
-        order = ((y0 + 2) * (W + 4) + (x0 + 2)).argsort(dim=-1, stable=True)
+        order = address_key(cl, W).argsort(dim=-1, stable=True)
         dealt = cl.gather(-1, order).view(N, M, Lq, P).permute(0, 2, 1, 3)
         c[:, :, :, l, :] = dealt
 
@@ -254,9 +262,7 @@ def reference_xor(value, coords, N, Lq, P, levels):
         n1 = min(N, n0 + nb)
         n_idx = torch.arange(n0, n1, device=dev).view(-1, 1, 1, 1)
         for l, (H, W) in enumerate(levels):
-            cl = c5[n0:n1, :, :, l, :]
-            x0 = ((cl & 0xFFFF) ^ 0x8000) - 0x8000
-            y0 = cl >> 16
+            x0, y0 = unpack(c5[n0:n1, :, :, l, :])
             for dy in (0, 1):
                 for dx in (0, 1):
                     y, x = y0 + dy, x0 + dx
@@ -386,8 +392,7 @@ def main():
                 # brute-force check of the reference on the CPU
                 vi = value.view(torch.int32).reshape(N, S, M, D // 2)
                 c5 = c.view(N, Lq, M, L, P)
-                xs = ((c5 & 0xFFFF) ^ 0x8000) - 0x8000
-                ys = c5 >> 16
+                xs, ys = unpack(c5)
                 words = []
                 for n in range(N):
                     for l, (H, W) in enumerate(levels):

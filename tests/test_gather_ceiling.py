@@ -42,8 +42,8 @@ def test_outside_samples_load_nothing():
     loc[..., 1, :] = torch.tensor([-0.2, 0.5])  # w = -1.7 < -1: skipped
     coords = gather_ceiling.coords_from_locations(loc, levels).view(1, 1, gather_ceiling.M, gather_ceiling.L, 2)
     assert (coords[..., 1] == ((-2 << 16) | (-2 & 0xFFFF))).all()
-    x0 = ((coords[..., 0] & 0xFFFF) ^ 0x8000) - 0x8000
-    assert (x0 == 2).all() and (coords[..., 0] >> 16 == 1).all()  # w = 2.5, h = 1.5
+    x0, y0 = gather_ceiling.unpack(coords[..., 0])
+    assert (x0 == 2).all() and (y0 == 1).all()  # w = 2.5, h = 1.5
 
 
 def test_dry_run_checks_its_reference():
@@ -118,8 +118,7 @@ def test_sorted_samples_read_the_same_rows_in_address_order():
     c = dealt.view(shape.N, shape.Lq, gather_ceiling.M, gather_ceiling.L, shape.P)
     for level, (H, W) in enumerate(shape.levels):
         s = c[1, :, 3, level, :].reshape(-1)  # image 1, head 3: its samples in (q, p) order
-        x0, y0 = ((s & 0xFFFF) ^ 0x8000) - 0x8000, s >> 16
-        address = (y0 + 2) * (W + 4) + x0 + 2
+        address = gather_ceiling.address_key(s, W)
         assert (address[1:] >= address[:-1]).all()
     assert not torch.equal(dealt, coords)
 
@@ -141,6 +140,5 @@ def test_samples_sorted_across_heads_go_heads_fastest():
             assert torch.equal(before[n, :, :, level].reshape(-1).sort().values,
                                after[n, :, :, level].reshape(-1).sort().values)
             s = after[n, :, :, level, :].permute(0, 2, 1).reshape(-1)  # (q, p, m): heads fastest
-            x0, y0 = ((s & 0xFFFF) ^ 0x8000) - 0x8000, s >> 16
-            address = (y0 + 2) * (W + 4) + x0 + 2
+            address = gather_ceiling.address_key(s, W)
             assert (address[1:] >= address[:-1]).all()
