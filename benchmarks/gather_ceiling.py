@@ -180,6 +180,11 @@ def address_key(packed, W: int):
     return (y0 + 2) * (W + 4) + (x0 + 2)
 
 
+def in_address_order(samples, W: int):
+    """Packed corners of a level W pixels wide, sorted along the last dimension by address_key (stable)."""
+    return samples.gather(-1, address_key(samples, W).argsort(dim=-1, stable=True))
+
+
 def sort_samples_across_heads(coords, N, Lq, P, levels):
     """Each (image, level)'s samples of all heads dealt back in address order (in place), heads fastest: the next
     samples in address order go to the same query's and point's other heads, so the warps of a block (one query tile,
@@ -192,8 +197,7 @@ def sort_samples_across_heads(coords, N, Lq, P, levels):
     c = coords.view(N, Lq, M, L, P)
     for l, (H, W) in enumerate(levels):
         cl = c[:, :, :, l, :].reshape(N, Lq * M * P)
-        order = address_key(cl, W).argsort(dim=-1, stable=True)
-        c[:, :, :, l, :] = cl.gather(-1, order).view(N, Lq, P, M).permute(0, 1, 3, 2)
+        c[:, :, :, l, :] = in_address_order(cl, W).view(N, Lq, P, M).permute(0, 1, 3, 2)
 
 
 def sort_samples(coords, N, Lq, P, levels):
@@ -204,9 +208,7 @@ def sort_samples(coords, N, Lq, P, levels):
     c = coords.view(N, Lq, M, L, P)
     for l, (H, W) in enumerate(levels):
         cl = c[:, :, :, l, :].permute(0, 2, 1, 3).reshape(N, M, Lq * P)  # (n, m, samples in (q, p) order)
-        order = address_key(cl, W).argsort(dim=-1, stable=True)
-        dealt = cl.gather(-1, order).view(N, M, Lq, P).permute(0, 2, 1, 3)
-        c[:, :, :, l, :] = dealt
+        c[:, :, :, l, :] = in_address_order(cl, W).view(N, M, Lq, P).permute(0, 2, 1, 3)
 
 
 def skip_levels(coords, N, Lq, P, first):
