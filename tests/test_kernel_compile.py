@@ -340,7 +340,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                            output_evict_first=True, staged_addresses=True),
+                                            output_evict_first=True, staged_addresses=True, stagger_locations=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
@@ -396,11 +396,12 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     # encoders: one round of long ranges -> single CTAs and one producer warp: seven groups, each thread
     # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
     # the levels other than the finest evict-last in L2; up to 16 samples a query, a segment's start counts
-    # for four tiles, the output rows are stored evict-first in L2, and (at up to four points a level) staged
-    # corners select their byte addresses
+    # for four tiles, the output rows are stored evict-first in L2, (at up to four points a level) staged
+    # corners select their byte addresses, and (fp16, rows of 128 bytes) odd slots read their locations staggered
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                               line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                              output_evict_first=True, staged_addresses=True)),
+                                              output_evict_first=True, staged_addresses=True,
+                                              stagger_locations=True)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
@@ -613,7 +614,7 @@ def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
     assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
                            **(dict(coarse_evict_last=True, segment_cost=4, output_evict_first=True,
-                                   staged_addresses=True) if rounds == 1 else {}))
+                                   staged_addresses=True, stagger_locations=True) if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
@@ -666,6 +667,33 @@ def test_ring_rows_apart_spread_over_the_banks():
     assert seed.input_bytes == seed.queries_per_tile * 4 * 3 * 32
     encoder = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     assert not encoder.rows_apart and (encoder.loc_row_elems, encoder.attn_row_elems) == (32, 16)
+
+
+def test_staggered_locations_spread_over_the_banks():
+    """Where two queries of a quarter-warp read location rows 128 bytes apart (DETR's four levels of four points,
+    fp32 locations, dense rows, four threads a query), each level's two 16-byte halves cost 8 wavefronts a warp
+    read in the same order in every slot and 4 with odd slots reading the second half first. The rule takes fp16
+    encoders in one round of single CTAs; bf16, several rounds, three levels (rows of 96 bytes: no conflict), the
+    split setup and the fused kernel keep the plain reads."""
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    encoder = dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0])
+    assert encoder.staggers_locations and encoder.threads_per_query == 4 and encoder.loc_row_elems * 4 == 128
+    for level in range(4):
+        for half in range(2):
+            plain = [4 * (slot * encoder.loc_row_elems + 8 * level + 4 * half) for slot in range(8) for _ in range(4)]
+            staggered = [4 * (slot * encoder.loc_row_elems + 8 * level + 4 * (half ^ (slot & 1)))
+                         for slot in range(8) for _ in range(4)]
+            assert (_wavefronts(plain, 16), _wavefronts(staggered, 16)) == (8, 4)
+    bf16 = tiled("bfloat16", "float32", "float32", 8, 4, 4, 32)
+    assert "stagger_locations" not in launch_of(bf16, 2, 22223, 22223)[0]
+    assert "stagger_locations" not in launch_of(cfg, 8, 22223, 22223, window=None)[0]  # several rounds
+    assert "stagger_locations" not in launch_of(cfg, 2, 22223, 22223, fixed={"stagger_locations"})[0]
+    three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
+    assert "stagger_locations" not in launch_of(three, 2, 21504, 21504)[0]
+    assert not dataclasses.replace(three, stagger_locations=True).staggers_locations
+    assert not dataclasses.replace(cfg, stagger_locations=True, split_setup=True).staggers_locations
+    fused = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
+    assert not dataclasses.replace(fused, stagger_locations=True).staggers_locations
 
 
 def test_p4_launches_alternate_the_level_order():

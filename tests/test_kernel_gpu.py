@@ -400,6 +400,35 @@ def test_staged_addresses_read_the_same_corners(gen, value_dtype):
     assert finite.float().mean() > 0.5 and finite_rel_err(outs[0][finite], ref[finite]) <= BOUND[value_dtype]
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+def test_staggered_locations_read_the_same_points(gen, value_dtype):
+    """detr-encoder's fp16 launch reads its odd query slots' locations staggered (stagger_locations; bf16 forced
+    here): with locations on and past the levels' borders, NaN and inf among them, and inf and NaN among value's
+    pixels, its output is bitwise the launch's without it, and the finite rest within the bound of float64."""
+    levels = DETR_LEVELS
+    S = pixels(levels)
+    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,
+                                                   dtype=torch.float32)
+    loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
+    pick = torch.rand(value.shape[:2], generator=gen)
+    value = torch.where((pick < 2e-4)[..., None, None], torch.inf, torch.where((pick > 1 - 2e-4)[..., None, None],
+                                                                               torch.nan, value))
+    value, loc, attn = value.to(value_dtype).cuda(), loc.cuda(), attn.cuda()
+    shapes, starts = shapes.cuda(), starts.cuda()
+    on = {} if value_dtype == torch.float16 else dict(stagger_locations=True)
+    cfg = launched_config(value, loc, attn, None, on, 2, S, S)
+    assert cfg.staggers_locations
+    outs = []
+    for tuning in (on, dict(stagger_locations=False)):
+        poison_allocator(value.numel() * 4)
+        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(outs[0]).any() and torch.isinf(outs[0]).any()
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    finite = torch.isfinite(outs[0]) & torch.isfinite(ref)
+    assert finite.float().mean() > 0.5 and finite_rel_err(outs[0][finite], ref[finite]) <= BOUND[value_dtype]
+
+
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])
 def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
     """An encoder of two or three levels (Mask2Former's pixel decoder has three) runs single CTAs that issue two

@@ -92,6 +92,7 @@ class QueryInputs:
     ref: object
     softmax: object
     lanes: object = None
+    stagger: bool = False
 
     @property
     def LP(self) -> int:
@@ -99,8 +100,8 @@ class QueryInputs:
 
     @staticmethod
     def create(num_levels: int, num_points: int, fused: bool, ref_dims: int, source, ref,
-               lanes=None) -> "QueryInputs":
-        inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None, lanes)
+               lanes=None, stagger: bool = False) -> "QueryInputs":
+        inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None, lanes, stagger)
         if fused:
             softmax = inputs._softmax_split() if lanes is not None else inputs._softmax()
             inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, softmax, lanes)
@@ -174,10 +175,31 @@ class QueryInputs:
             total = total + exp_shifted(logits[k], top)
         return top, 1.0 / total
 
+    def _staggered_level(self, level: int, Wf, Hf):
+        """level() where KernelConfig.staggers_locations: the level's 4 points of locations are two 16-byte halves;
+        an odd slot reads the second half first, so the two queries of a quarter-warp read different banks, and
+        selects give every thread its points in order."""
+        _, sLoc, _, slot, loc_row, _ = self.source
+        odd = (slot & 1) == 1
+        base = slot * loc_row + level * self.P * 2
+        first = cute.make_tensor(sLoc.iterator + base + (slot & 1) * 4, cute.make_layout(4)).load()
+        second = cute.make_tensor(sLoc.iterator + base + ((slot & 1) ^ 1) * 4, cute.make_layout(4)).load()
+        first, second = first.to(cutlass.Float32), second.to(cutlass.Float32)
+        halves = ([cutlass.select_(odd, second[i], first[i]) for i in range(4)],
+                  [cutlass.select_(odd, first[i], second[i]) for i in range(4)])
+
+        def staggered(point):
+            half = halves[point // 2]
+            x, y = half[2 * (point % 2)], half[2 * (point % 2) + 1]
+            return x * Wf - 0.5, y * Hf - 0.5, self._raw_logit(level * self.P + point)
+        return staggered
+
     def level(self, level: int, H, W):
         """A function of the point: (w, h, a) of every point of one level, in pixels of the level."""
         P = self.P
         Wf, Hf = cutlass.Float32(W), cutlass.Float32(H)
+        if self.stagger:
+            return self._staggered_level(level, Wf, Hf)
         if self.source[0] == "smem" or self.lanes is not None:
             def raw(point):
                 x, y = self._raw_xy(level * P + point)

@@ -650,7 +650,8 @@ class MSDAForward:
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
                         inputs = QueryInputs.create(self.L, self.P, self.fused, self.cfg.ref_dims, source, ref,
-                                                    (chunk, self.T) if cutlass.const_expr(self.split) else None)
+                                                    (chunk, self.T) if cutlass.const_expr(self.split) else None,
+                                                    self.cfg.staggers_locations)
                         # KernelConfig.alternates: the staged levels first or last, by group and tile in turn.
                         staged_phase = 0
                         if cutlass.const_expr(self.cfg.alternates):
