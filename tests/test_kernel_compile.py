@@ -553,6 +553,8 @@ def test_single_ctas_at_one_level_take_rounds_over_a_quarter_of_l2(side, N):
     assert schedule == launch_of(one, N, S, S, window=launch_rules.ONE_LEVEL_WINDOW_L2_FRACTION)[2]
     assert schedule.rounds > launch_of(one, N, S, S, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2].rounds
     assert launch_of(one, N, S, S, window=1.0)[2].rounds == 1
+    eight = tiled("float16", "float32", "float32", 8, 8, 4, 32)
+    assert not dataclasses.replace(eight, stagger_locations=True, split_setup=False, cluster_size=1).staggers_locations
     three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
     assert (launch_of(three, 8, 21504, 21504)[2]
             == launch_of(three, 8, 21504, 21504, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2])
@@ -672,22 +674,25 @@ def test_ring_rows_apart_spread_over_the_banks():
 def test_staggered_locations_spread_over_the_banks():
     """Where two queries of a quarter-warp read location rows 128 bytes apart (DETR's four levels of four points,
     fp32 locations, dense rows, four threads a query), each level's two 16-byte halves cost 8 wavefronts a warp
-    read in the same order in every slot and 4 with odd slots reading the second half first. The rule takes fp16
-    encoders in one round of single CTAs; bf16, several rounds, three levels (rows of 96 bytes: no conflict), the
-    split setup and the fused kernel keep the plain reads."""
+    read in place and 4 read where TMA's 128-byte swizzle puts them (row q's chunk k at chunk k ^ (q % 8)). The rule
+    takes fp16 encoders in one round of single CTAs; bf16, several rounds, three levels (rows of 96 bytes: no
+    conflict), eight levels (256-byte rows: wider than the swizzle), the split setup and the fused kernel keep the
+    plain reads."""
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     encoder = dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0])
     assert encoder.staggers_locations and encoder.threads_per_query == 4 and encoder.loc_row_elems * 4 == 128
     for level in range(4):
         for half in range(2):
             plain = [4 * (slot * encoder.loc_row_elems + 8 * level + 4 * half) for slot in range(8) for _ in range(4)]
-            staggered = [4 * (slot * encoder.loc_row_elems + 8 * level + 4 * (half ^ (slot & 1)))
+            staggered = [4 * (slot * encoder.loc_row_elems + ((8 * level + 4 * half) ^ (4 * (slot & 7))))
                          for slot in range(8) for _ in range(4)]
             assert (_wavefronts(plain, 16), _wavefronts(staggered, 16)) == (8, 4)
     bf16 = tiled("bfloat16", "float32", "float32", 8, 4, 4, 32)
     assert "stagger_locations" not in launch_of(bf16, 2, 22223, 22223)[0]
     assert "stagger_locations" not in launch_of(cfg, 8, 22223, 22223, window=None)[0]  # several rounds
     assert "stagger_locations" not in launch_of(cfg, 2, 22223, 22223, fixed={"stagger_locations"})[0]
+    eight = tiled("float16", "float32", "float32", 8, 8, 4, 32)
+    assert not dataclasses.replace(eight, stagger_locations=True, split_setup=False, cluster_size=1).staggers_locations
     three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
     assert "stagger_locations" not in launch_of(three, 2, 21504, 21504)[0]
     assert not dataclasses.replace(three, stagger_locations=True).staggers_locations

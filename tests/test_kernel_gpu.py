@@ -402,9 +402,10 @@ def test_staged_addresses_read_the_same_corners(gen, value_dtype):
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
 def test_staggered_locations_read_the_same_points(gen, value_dtype):
-    """detr-encoder's fp16 launch reads its odd query slots' locations staggered (stagger_locations; bf16 forced
-    here): with locations on and past the levels' borders, NaN and inf among them, and inf and NaN among value's
-    pixels, its output is bitwise the launch's without it, and the finite rest within the bound of float64."""
+    """detr-encoder's fp16 launch loads its location ring with TMA's 128-byte swizzle and reads each half where it
+    landed (stagger_locations; bf16 forced here): with locations on and past the levels' borders, NaN and inf among
+    them, and inf and NaN among value's pixels, its output is bitwise the launch's without it, and the finite rest
+    within the bound of float64."""
     levels = DETR_LEVELS
     S = pixels(levels)
     value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,

@@ -130,10 +130,11 @@ class KernelConfig(ProblemConfig):
     # column strips a tile wide, top to bottom, not row by row: a range of tiles is then a tall narrow block of the
     # image, whose footprints L1 holds. Decided in the kernel from the level table (TileScheduler.block_of).
     strips: bool = False
-    # Where two queries of a quarter-warp read location rows a multiple of 128 bytes apart (the same banks), odd
-    # query slots read each level's two 16-byte halves in the other order and selects put them back: the reads no
-    # longer conflict, and the samples keep their order (staggers_locations says where it can act). A launch rule
-    # (launch_rules.choose_launch, which has the measurements).
+    # Where two queries of a quarter-warp read location rows 128 bytes apart (the same banks), the location ring is
+    # loaded with TMA's 128-byte swizzle (row q's 16-byte chunk k lands at chunk k ^ (q % 8)) and each thread reads
+    # its halves where they landed: the reads no longer conflict, and the samples keep their order
+    # (staggers_locations says where it can act). A launch rule (launch_rules.choose_launch, which has the
+    # measurements).
     stagger_locations: bool = False
 
     def __post_init__(self):
@@ -206,13 +207,13 @@ class KernelConfig(ProblemConfig):
 
     @property
     def staggers_locations(self) -> bool:
-        """Whether odd query slots read their locations' halves staggered (stagger_locations, where it can act):
-        inputs in the ring, not split, unfused, dense rows, 4 points a level of fp32 locations (a level is two
-        16-byte halves), four threads a query (two queries a quarter-warp), rows a multiple of 128 bytes (4 or 8
-        levels)."""
+        """Whether the location ring is swizzled and read staggered (stagger_locations, where it can act): inputs
+        in the ring, not split, unfused, dense rows, 4 points a level of fp32 locations (a level is two 16-byte
+        halves), four threads a query (two queries a quarter-warp), rows of exactly 128 bytes (4 levels: the
+        128-byte swizzle's row)."""
         return (self.stagger_locations and self.prefetch_inputs and not self.fused and not self.splits_setup
                 and not self.rows_apart and self.num_points == 4 and self.threads_per_query == 4
-                and ITEMSIZE[self.loc_dtype] == 4 and self.loc_row_elems * 4 % 128 == 0)
+                and ITEMSIZE[self.loc_dtype] == 4 and self.loc_row_elems * 4 == 128)
 
     @property
     def packed_math(self) -> bool:

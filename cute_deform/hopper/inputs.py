@@ -176,17 +176,14 @@ class QueryInputs:
         return top, 1.0 / total
 
     def _staggered_level(self, level: int, Wf, Hf):
-        """level() where KernelConfig.staggers_locations: the level's 4 points of locations are two 16-byte halves;
-        an odd slot reads the second half first, so the two queries of a quarter-warp read different banks, and
-        selects give every thread its points in order."""
+        """level() where KernelConfig.staggers_locations: TMA loaded the ring with its 128-byte swizzle, so row q's
+        16-byte chunk k (a level's two halves are chunks 2 level and 2 level + 1) lies at chunk k ^ (q % 8); the two
+        queries of a quarter-warp then read different banks."""
         _, sLoc, _, slot, loc_row, _ = self.source
-        odd = (slot & 1) == 1
-        base = slot * loc_row + level * self.P * 2
-        first = cute.make_tensor(sLoc.iterator + base + (slot & 1) * 4, cute.make_layout(4)).load()
-        second = cute.make_tensor(sLoc.iterator + base + ((slot & 1) ^ 1) * 4, cute.make_layout(4)).load()
-        first, second = first.to(cutlass.Float32), second.to(cutlass.Float32)
-        halves = ([cutlass.select_(odd, second[i], first[i]) for i in range(4)],
-                  [cutlass.select_(odd, first[i], second[i]) for i in range(4)])
+        row = sLoc.iterator + slot * loc_row
+        flip = (slot & 7) * 4
+        halves = [cute.make_tensor(row + ((level * 8 + 4 * h) ^ flip), cute.make_layout(4)).load().to(cutlass.Float32)
+                  for h in range(2)]
 
         def staggered(point):
             half = halves[point // 2]

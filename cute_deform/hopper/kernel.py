@@ -149,6 +149,19 @@ class MSDAForward:
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
         # address and sizes every CTA patches on the device.
         box_template = None
+        if cutlass.const_expr(self.cfg.staggers_locations):
+            # KernelConfig.staggers_locations: the location rows as (per_query, M, Lq, N), loaded with TMA's 128-byte
+            # swizzle by a map made here (the DSL's atom split a swizzled box into 8-byte copies), in the boxes' map
+            # slot (the box path is off).
+            per_query = 2 * self.LP
+            box_template = tensor_map.create_tensor_map_tiled(
+                global_address=mLoc.iterator.toint(),
+                dtype=cutlass.Float32,
+                global_dims=[per_query, M, Lq, N],
+                global_strides=[per_query // 4, M * per_query // 4, mLoc.stride[0] // 4],
+                box_dims=[per_query, 1, self.G, 1],
+                swizzle=tensor_map.TensorMapSwizzle.s128b,
+            )
         if cutlass.const_expr(self.boxes):
             units = M * D * e // 16
             box_template = tensor_map.create_tensor_map_tiled(
@@ -171,7 +184,8 @@ class MSDAForward:
             box_ring: cute.struct.Align[cute.struct.MemRange[self.value_dtype, cfg.box_ring_elems], 128]
             staged: cute.struct.Align[cute.struct.MemRange[self.value_dtype, (self.stage_pixels + 1) * D], 128]
             loc_ring: cute.struct.Align[
-                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * cfg.input_slots], 128]
+                cute.struct.MemRange[self.loc_dtype, cfg.loc_stage_elems * cfg.input_slots],
+                1024 if self.cfg.staggers_locations else 128]
             attn_ring: cute.struct.Align[
                 cute.struct.MemRange[self.attn_dtype, cfg.attn_stage_elems * cfg.input_slots], 128]
 
@@ -362,7 +376,7 @@ class MSDAForward:
                             if cutlass.const_expr(self.prefetch):
                                 input_states[j] = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
                                                                    input_rings, input_states[j], mLoc, mAttn, mOrder,
-                                                                   n, m, q0)
+                                                                   n, m, q0, box_template)
                             if cutlass.const_expr(self.boxes):
                                 box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes,
                                                             staged, n, m, q0)
@@ -476,7 +490,7 @@ class MSDAForward:
 
     @cute.jit
     def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mLoc, mAttn, mOrder, n,
-                    m, q0):
+                    m, q0, loc_map=None):
         """One tile's rows of locations and weights (or offsets and logits): two TMA boxes; or, through the
         order table, lane j copies the rows of the tile's queries j, j + 32, ... with two bulk copies each
         (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel). Either way L2
@@ -495,7 +509,15 @@ class MSDAForward:
                     self.copy_row(mAttn, attn_stage.iterator + slot * self.cfg.attn_row_elems, row, self.LP, full)
         else:
             block = q0 // self.G
-            self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block)
+            if cutlass.const_expr(self.cfg.staggers_locations):
+                assert loc_map is not None, "staggered locations load through their own tensor map"
+                if cute.arch.lane_idx() == 0:  # one thread issues the box
+                    prims.cp_async_bulk_tensor_shared_cta_global(
+                        loc_stage.iterator, cutlass.Pointer(loc_map.get_ptr(), dtype=cutlass.Int64),
+                        [cutlass.Int32(0), m, q0, n], full,
+                        l2_cache_hint=cutlass.Int64(L2_EVICT_FIRST))
+            else:
+                self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block)
             self.load_rows(attn_atom, attn_tma, attn_stage, self.cfg.attn_row_elems, full, n, m, block)
         state.advance(rings.groups)
         return state
