@@ -553,8 +553,6 @@ def test_single_ctas_at_one_level_take_rounds_over_a_quarter_of_l2(side, N):
     assert schedule == launch_of(one, N, S, S, window=launch_rules.ONE_LEVEL_WINDOW_L2_FRACTION)[2]
     assert schedule.rounds > launch_of(one, N, S, S, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2].rounds
     assert launch_of(one, N, S, S, window=1.0)[2].rounds == 1
-    eight = tiled("float16", "float32", "float32", 8, 8, 4, 32)
-    assert not dataclasses.replace(eight, stagger_locations=True, split_setup=False, cluster_size=1).staggers_locations
     three = tiled("float16", "float32", "float32", 8, 3, 4, 32)
     assert (launch_of(three, 8, 21504, 21504)[2]
             == launch_of(three, 8, 21504, 21504, window=launch_rules.SINGLE_CTA_WINDOW_L2_FRACTION)[2])

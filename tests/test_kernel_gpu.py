@@ -372,11 +372,9 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
-@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
-def test_staged_addresses_read_the_same_corners(gen, value_dtype):
-    """detr-encoder's launch selects its staged corners' byte addresses (staged_addresses): with locations on and past
-    the levels' borders, NaN and inf among them, and inf and NaN among value's pixels, its output is bitwise the
-    launch's without it, NaN and inf where that has them, and the finite rest within the bound of float64."""
+def hostile_encoder_inputs(gen, value_dtype):
+    """detr-encoder's shapes on the GPU with locations on and past the levels' borders (NaN and inf among them) and
+    inf and NaN among value's pixels: (value, shapes, starts, loc, attn), S."""
     levels = DETR_LEVELS
     S = pixels(levels)
     value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,
@@ -385,19 +383,34 @@ def test_staged_addresses_read_the_same_corners(gen, value_dtype):
     pick = torch.rand(value.shape[:2], generator=gen)
     value = torch.where((pick < 2e-4)[..., None, None], torch.inf, torch.where((pick > 1 - 2e-4)[..., None, None],
                                                                                torch.nan, value))
-    value, loc, attn = value.to(value_dtype).cuda(), loc.cuda(), attn.cuda()
-    shapes, starts = shapes.cuda(), starts.cuda()
-    cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
-    assert cfg.cluster_size == 1 and cfg.staged_addresses
+    return (value.to(value_dtype).cuda(), shapes.cuda(), starts.cuda(), loc.cuda(), attn.cuda()), S
+
+
+def assert_bitwise_the_same_and_within_reference(inputs, tunings, value_dtype):
+    """The launches with each tuning (allocator poisoned first) give bitwise the same output, NaN and inf among it,
+    and the finite rest within the bound of float64."""
     outs = []
-    for tuning in ({}, dict(staged_addresses=False)):
-        poison_allocator(value.numel() * 4)
-        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    for tuning in tunings:
+        poison_allocator(inputs[0].numel() * 4)
+        outs.append(interface.msda_forward(*inputs, **tuning))
+    for out in outs[1:]:
+        torch.testing.assert_close(outs[0], out, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(outs[0]).any() and torch.isinf(outs[0]).any()
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    ref = ms_deform_attn_reference(*inputs, out_dtype=torch.float64)
     finite = torch.isfinite(outs[0]) & torch.isfinite(ref)
     assert finite.float().mean() > 0.5 and finite_rel_err(outs[0][finite], ref[finite]) <= BOUND[value_dtype]
+
+
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+def test_staged_addresses_read_the_same_corners(gen, value_dtype):
+    """detr-encoder's launch selects its staged corners' byte addresses (staged_addresses): with locations on and past
+    the levels' borders, NaN and inf among them, and inf and NaN among value's pixels, its output is bitwise the
+    launch's without it, NaN and inf where that has them, and the finite rest within the bound of float64."""
+    inputs, S = hostile_encoder_inputs(gen, value_dtype)
+    value, shapes, starts, loc, attn = inputs
+    cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
+    assert cfg.cluster_size == 1 and cfg.staged_addresses
+    assert_bitwise_the_same_and_within_reference(inputs, ({}, dict(staged_addresses=False)), value_dtype)
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
@@ -406,28 +419,12 @@ def test_staggered_locations_read_the_same_points(gen, value_dtype):
     landed (stagger_locations; bf16 forced here): with locations on and past the levels' borders, NaN and inf among
     them, and inf and NaN among value's pixels, its output is bitwise the launch's without it, and the finite rest
     within the bound of float64."""
-    levels = DETR_LEVELS
-    S = pixels(levels)
-    value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,
-                                                   dtype=torch.float32)
-    loc = sprinkle_special_locations(gen, loc, levels, fraction=0.3)
-    pick = torch.rand(value.shape[:2], generator=gen)
-    value = torch.where((pick < 2e-4)[..., None, None], torch.inf, torch.where((pick > 1 - 2e-4)[..., None, None],
-                                                                               torch.nan, value))
-    value, loc, attn = value.to(value_dtype).cuda(), loc.cuda(), attn.cuda()
-    shapes, starts = shapes.cuda(), starts.cuda()
+    inputs, S = hostile_encoder_inputs(gen, value_dtype)
+    value, shapes, starts, loc, attn = inputs
     on = {} if value_dtype == torch.float16 else dict(stagger_locations=True)
     cfg = launched_config(value, loc, attn, None, on, 2, S, S)
     assert cfg.staggers_locations
-    outs = []
-    for tuning in (on, dict(stagger_locations=False)):
-        poison_allocator(value.numel() * 4)
-        outs.append(interface.msda_forward(value, shapes, starts, loc, attn, **tuning))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
-    assert torch.isnan(outs[0]).any() and torch.isinf(outs[0]).any()
-    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
-    finite = torch.isfinite(outs[0]) & torch.isfinite(ref)
-    assert finite.float().mean() > 0.5 and finite_rel_err(outs[0][finite], ref[finite]) <= BOUND[value_dtype]
+    assert_bitwise_the_same_and_within_reference(inputs, (on, dict(stagger_locations=False)), value_dtype)
 
 
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])
