@@ -99,7 +99,7 @@ def launch_variants(cfg) -> list:
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
-    stagger_locations where _stagger_measured and it acts,
+    stagger_locations where _stagger_taken,
     strips at up to three levels) where one round of long ranges runs, and to the order table (batched
     gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
@@ -148,8 +148,7 @@ def launch_variants(cfg) -> list:
                 one_round["output_evict_first"] = True
             if _staged_addresses_measured(cfg):  # ... and the staged corners' addresses selected
                 one_round["staged_addresses"] = True
-            if (_stagger_measured(cfg)  # ... and the locations' halves staggered where that can act
-                    and dataclasses.replace(cfg, **single, **one_round, stagger_locations=True).staggers_locations):
+            if _stagger_taken(dataclasses.replace(cfg, **single, **one_round)):  # ... and the locations swizzled
                 one_round["stagger_locations"] = True
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
@@ -226,10 +225,11 @@ def _staged_addresses_measured(cfg) -> bool:
     return (cfg.num_points <= 4 and cfg.level_points <= 16) or (cfg.fused and cfg.level_points <= 32)
 
 
-def _stagger_measured(cfg) -> bool:
-    """The kernels whose one round of single CTAs over long ranges stagger_locations won on (choose_launch): fp16
-    value, unfused (where KernelConfig.staggers_locations can act)."""
-    return cfg.value_dtype == "float16" and not cfg.fused
+def _stagger_taken(cfg) -> bool:
+    """Whether one round of single CTAs over long ranges with cfg takes stagger_locations (choose_launch): fp16 value,
+    unfused, where KernelConfig.staggers_locations can act."""
+    return (cfg.value_dtype == "float16" and not cfg.fused
+            and dataclasses.replace(cfg, stagger_locations=True).staggers_locations)
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -523,17 +523,15 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # not the staged reads) and whole segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3
             # on the H100).
             changes["staged_addresses"] = True
-        if _stagger_measured(cfg) and "stagger_locations" not in fixed:
-            if dataclasses.replace(cfg, **changes, stagger_locations=True).staggers_locations:
-                # ... and, with fp16 value where two queries of a quarter-warp read location rows 128 bytes apart
-                # (DETR's four levels of 4 points), odd query slots read each level's two halves the other way round.
-                # Session 40, tune.py, three runs in alternating orders, µs, means, the launch -> staggered: H200
-                # detr-encoder 121.2 -> 118.2, -init 109.9 -> 108.9; H100 detr-encoder 125.7 -> 124.1, -init 114.2 ->
-                # 113.4, N=1 with the initial offsets 66.1 -> 66.1. Not taken: bf16 (H100, two runs: detr-encoder
-                # 126.5 -> 127.2, -init 115.9 -> 118.7) and several rounds (N=8 DETR encoder shapes, H100: 465.9 ->
-                # 471.8). Reading the points themselves in that order gained detr-encoder as much but cost -init 10%
-                # (H200: its neighbouring queries' staged samples share pixels, read as broadcasts in the usual order).
-                changes["stagger_locations"] = True
+        if "stagger_locations" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
+            # ... and, with fp16 value where two queries of a quarter-warp read location rows 128 bytes apart (DETR's
+            # four levels of 4 points), the location ring swizzled by TMA and read where each half landed (v57).
+            # Session 40, tune.py, three runs in alternating orders, µs, means, without -> with it: H200 detr-encoder
+            # 120.9 -> 116.4, -init 110.0 -> 107.3; H100 125.8 -> 121.7 and 114.0 -> 111.2. v56's form (selects
+            # instead of the swizzle) was measured on the rule's edges: N=1 with the initial offsets tied (66.1), bf16
+            # lost (H100, two runs: detr-encoder 126.5 -> 127.2, -init 115.9 -> 118.7) and so did several rounds (N=8
+            # DETR encoder shapes, H100: 465.9 -> 471.8); v57 was not measured there, so they stay out.
+            changes["stagger_locations"] = True
     if (one_round_long and not short and cfg.num_levels <= 3 and (not cfg.fused or first_level_strips)
             and not permuted and cfg.fine_gather == "ldg" and "strips" not in fixed
             and N * cfg.num_heads * query_blocks(cfg, Lq) >= STRIP_RANGE_TILES * grid):
