@@ -1,6 +1,7 @@
 """Every CuTe kernel variant compiles for sm_90a on a machine without a GPU, and its PTX holds the
 instructions the design depends on. Also the disk cache of compiled kernels and the tile schedule."""
 import dataclasses
+import random
 import re
 
 import pytest
@@ -11,7 +12,7 @@ if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
 from cute_deform.hopper import compile_cache, kernel, launch_rules, tile_scheduler  # noqa: E402
-from cute_deform.hopper.config import KernelConfig  # noqa: E402
+from cute_deform.hopper.config import STAGE_BOX_PIXELS, KernelConfig  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
 from msda_testing import raster_cells  # noqa: E402
@@ -697,6 +698,39 @@ def test_staggered_locations_spread_over_the_banks():
     assert not dataclasses.replace(cfg, stagger_locations=True, split_setup=True).staggers_locations
     fused = tiled("float16", "float16", "float16", 8, 4, 4, 32, fused=True)
     assert not dataclasses.replace(fused, stagger_locations=True).staggers_locations
+
+
+def test_doubled_coarsest_level_spreads_over_the_banks():
+    """A staged corner's eight queries of a warp read 64-byte rows, two queries a quarter warp: where a row's half of
+    its 128-byte line is its pixel's parity, the two share a half one time in two (6 wavefronts a warp on average
+    over random pixels, up to 8), while with the last level doubled (each row twice, side by side) and each query
+    reading the copy in its slot's half, they never do: 4 wavefronts at most, whatever the pixels. The rule takes the stagger's encoders,
+    whose larger staging buffer holds DETR's last level doubled beside its third level and keeps L1 60 KB; the
+    decoders and a fixed knob keep the plain layout."""
+    gen = random.Random(0)
+    row = 64
+    plain_total = 0
+    for _ in range(200):
+        pixels = [gen.randrange(273) for _ in range(8)]
+        plain = [p * row + 16 * c for p in pixels for c in range(4)]
+        doubled = [p * 2 * row + (slot % 2) * row + 16 * c for slot, p in enumerate(pixels) for c in range(4)]
+        assert _wavefronts(doubled, 16) <= 4 <= _wavefronts(plain, 16)
+        plain_total += _wavefronts(plain, 16)
+    assert 5.7 < plain_total / 200 < 6.3  # a quarter warp's two rows share a half one time in two
+    cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
+    encoder = dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0])
+    assert encoder.doubles_coarsest and encoder.stage_bytes == launch_rules.DOUBLED_STAGE_BYTES
+    rows = lambda H, W: -(-H * W // STAGE_BOX_PIXELS) * STAGE_BOX_PIXELS  # noqa: E731
+    assert 2 * rows(13, 21) + rows(25, 42) <= encoder.stage_pixels  # DETR's last two levels, the last doubled
+    assert encoder.smem_bytes + 1024 <= 196 * 1024  # the carveout that leaves L1 60 KB
+    for N, Lq in ((8, 900), (16, 300)):
+        assert "doubled_coarsest" not in launch_of(cfg, N, Lq, 22223)[0]
+    assert "doubled_coarsest" not in launch_of(cfg, 2, 22223, 22223, fixed={"doubled_coarsest"})[0]
+    fixed_stage = launch_of(cfg, 2, 22223, 22223, fixed={"stage_bytes"})[0]
+    assert fixed_stage["doubled_coarsest"] and "stage_bytes" not in fixed_stage
+    assert not dataclasses.replace(cfg, doubled_coarsest=True, fine_gather="tma").doubles_coarsest
+    assert not tiled("float32", "float32", "float32", 8, 4, 4, 32, doubled_coarsest=True).doubles_coarsest  # 128-byte rows
+    assert encoder in launch_rules.launch_variants(cfg)
 
 
 def test_p4_launches_alternate_the_level_order():

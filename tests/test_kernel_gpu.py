@@ -372,10 +372,9 @@ def test_encoder_ranges_that_cross_a_segment_take_fewer_tiles(gen):
     assert rel_err(outs[0], outs[1].double()) <= 1e-3
 
 
-def hostile_encoder_inputs(gen, value_dtype):
-    """detr-encoder's shapes on the GPU with locations on and past the levels' borders (NaN and inf among them) and
-    inf and NaN among value's pixels: (value, shapes, starts, loc, attn), S."""
-    levels = DETR_LEVELS
+def hostile_encoder_inputs(gen, value_dtype, levels=DETR_LEVELS):
+    """An encoder's inputs on the GPU (detr-encoder's shapes by default) with locations on and past the levels' borders
+    (NaN and inf among them) and inf and NaN among value's pixels: (value, shapes, starts, loc, attn), S."""
     S = pixels(levels)
     value, shapes, starts, loc, attn = make_inputs(gen, levels, batch=2, queries=S, heads=8, head_dim=32, points=4,
                                                    dtype=torch.float32)
@@ -425,6 +424,26 @@ def test_staggered_locations_read_the_same_points(gen, value_dtype):
     cfg = launched_config(value, loc, attn, None, on, 2, S, S)
     assert cfg.staggers_locations
     assert_bitwise_the_same_and_within_reference(inputs, (on, dict(stagger_locations=False)), value_dtype)
+
+
+@pytest.mark.parametrize("value_dtype,levels", [
+    (torch.float16, DETR_LEVELS),
+    (torch.bfloat16, DETR_LEVELS),
+    (torch.float16, [(128, 168), (64, 84), (32, 42), (16, 21)]),  # the last two fit the buffer single, not doubled
+])
+def test_doubled_coarsest_level_reads_the_same_points(gen, value_dtype, levels):
+    """detr-encoder's fp16 launch stages its last level with each pixel row twice and reads the copy in each query
+    slot's half (doubled_coarsest; forced for bf16 and for levels where the doubled level would leave the next one
+    out, which the kernel then stages single). With locations on and past the levels' borders, NaN and inf among them, and inf and NaN among
+    value's pixels, the output is bitwise the launch's without it, and the finite rest within the bound of float64."""
+    inputs, S = hostile_encoder_inputs(gen, value_dtype, levels)
+    value, shapes, starts, loc, attn = inputs
+    forced = dict(doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
+    on = {} if value_dtype == torch.float16 and levels == DETR_LEVELS else forced
+    cfg = launched_config(value, loc, attn, None, on, 2, S, S)
+    assert cfg.doubles_coarsest and cfg.stage_bytes == launch_rules.DOUBLED_STAGE_BYTES
+    off = dict(doubled_coarsest=False, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
+    assert_bitwise_the_same_and_within_reference(inputs, (on, off), value_dtype)
 
 
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])

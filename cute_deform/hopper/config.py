@@ -136,6 +136,11 @@ class KernelConfig(ProblemConfig):
     # (staggers_locations says where it can act). A launch rule (launch_rules.choose_launch, which has the
     # measurements).
     stagger_locations: bool = False
+    # The last level (the coarsest of a model's table), where it is staged, holds each pixel row twice, side by side
+    # in one 128-byte line (TMA loads it through a map whose second dimension has stride 0), and a thread reads the
+    # copy in its query slot's half of the line: the two queries of a quarter warp then never read the same banks
+    # (doubles_coarsest says where it can act). A launch rule (launch_rules.choose_launch, which has the measurements).
+    doubled_coarsest: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:
@@ -214,6 +219,13 @@ class KernelConfig(ProblemConfig):
         return (self.stagger_locations and self.prefetch_inputs and not self.fused and not self.splits_setup
                 and not self.rows_apart and self.num_points == 4 and self.threads_per_query == 4
                 and ITEMSIZE[self.loc_dtype] == 4 and self.loc_row_elems * 4 == 128)
+
+    @property
+    def doubles_coarsest(self) -> bool:
+        """Whether the last level is staged doubled (doubled_coarsest, where it can act): a staging buffer, 64-byte
+        head rows (two make a 128-byte line), L1 gathers."""
+        return (self.doubled_coarsest and self.stage_bytes > 0 and self.fine_gather == "ldg"
+                and self.head_dim * self.itemsize == 64)
 
     @property
     def packed_math(self) -> bool:

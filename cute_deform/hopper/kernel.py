@@ -172,6 +172,19 @@ class MSDAForward:
                 box_dims=[D, 1, 2, 2, 1],
             )
 
+        # KernelConfig.doubles_coarsest: the value as (D, 2, M, S, N), the second dimension's stride 0, so that a
+        # box (D, 2, 1, STAGE_BOX_PIXELS, 1) lands each pixel row twice, side by side.
+        pair_map = None
+        if cutlass.const_expr(self.cfg.doubles_coarsest):
+            pair_map = tensor_map.create_tensor_map_tiled(
+                global_address=mValue.iterator.toint(),
+                dtype=self.value_dtype,
+                global_dims=[D, 2, M, S, N],
+                global_strides=[0, mValue.stride[2] * e // 16, mValue.stride[1] * e // 16,
+                                mValue.stride[0] * e // 16],
+                box_dims=[D, 2, 1, STAGE_BOX_PIXELS, 1],
+            )
+
         cfg = self.cfg
 
         @cute.struct
@@ -195,7 +208,8 @@ class MSDAForward:
         check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
-                    mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds, whole).launch(
+                    pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds,
+                    whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -208,7 +222,8 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-               box_template: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
+               box_template: cutlass.GridConstant[tensor_map.TensorMap],
+               pair_map: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
                mStarts: cute.Tensor, mLoc: cute.Tensor, mAttn: cute.Tensor, mRef: cute.Tensor, mOrder: cute.Tensor,
                mOut: cute.Tensor, mDesc: cute.Tensor,
                num_tiles: cutlass.Int64, rounds: cutlass.Int32, whole: cutlass.Int32):
@@ -275,6 +290,16 @@ class MSDAForward:
             staged[level] = fits
             offsets[level] = used
             used = used + cutlass.select_(fits, px, 0)
+        # KernelConfig.doubles_coarsest: the last level takes twice its rows where the same levels still fit.
+        doubled = cutlass.Boolean(False)
+        if cutlass.const_expr(self.cfg.doubles_coarsest):
+            H, W = sizes[self.L - 1]
+            extra = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+            doubled = staged[self.L - 1] & (used + extra <= self.stage_pixels)
+            extra = cutlass.select_(doubled, extra, 0)
+            for level in cutlass.range_constexpr(self.L - 1):
+                offsets[level] = offsets[level] + extra
+            used = used + extra
         sLevels = self.level_table_in(storage)
         if tidx == 0:
             for level in cutlass.range_constexpr(self.L):
@@ -285,6 +310,7 @@ class MSDAForward:
                 sLevels[level, 3] = cutlass.Int64(cutlass.select_(staged[level], offsets[level], -1))
             sLevels[self.L, 0] = cutlass.Int64(cutlass.select_(levels_ok, 1, 0))
             sLevels[self.L, 1] = cutlass.Int64(finest_level(sizes))
+            sLevels[self.L, 2] = cutlass.Int64(cutlass.select_(doubled, 1, 0))
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_arrive_relaxed()
@@ -294,8 +320,9 @@ class MSDAForward:
 
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma,
-                          attn_atom, attn_tma, box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings,
-                          box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets, used, rank, bidx)
+                          attn_atom, attn_tma, box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage,
+                          input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets, used,
+                          doubled, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
             self.consumer(g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging,
@@ -331,8 +358,8 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, p, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                 box_template, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging, scheduler,
-                 rounds, sizes, starts, staged, offsets, used, rank, bidx):
+                 box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging,
+                 scheduler, rounds, sizes, starts, staged, offsets, used, doubled, rank, bidx):
         """Producer warp p feeds groups p, p + producers, ... (with TMA boxes, its own group only)."""
         producers = self.cfg.producer_warps
         served = self.groups // producers
@@ -359,8 +386,8 @@ class MSDAForward:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
                 self.segment_sync(segment)
                 if p == 0:
-                    self.stage_levels(stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used,
-                                      n, m, rank)
+                    self.stage_levels(stage_atom, stage_tma, pair_map, sStaged, staging, sizes, starts, staged, offsets,
+                                      used, doubled, n, m, rank)
                     if cutlass.const_expr(self.cfg.prefetch_levels):
                         self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, prefetched, n, m, rank)
                 # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
@@ -429,26 +456,58 @@ class MSDAForward:
                                          mLoc, mAttn, mOrder, n, m, q0)
 
     @cute.jit
-    def stage_levels(self, stage_atom, stage_tma, sStaged, staging, sizes, starts, staged, offsets, used, n, m, rank):
+    def stage_levels(self, stage_atom, stage_tma, pair_map, sStaged, staging, sizes, starts, staged, offsets, used,
+                     doubled, n, m, rank):
         """Load the staged levels of (image n, head m) whole; in a cluster each CTA loads every other
         box and multicasts it to both. The loop is warp-uniform: cute.copy of a TMA atom issues from one
-        elected lane."""
-        D = self.D
-        staging.expect(used * (D * self.cfg.itemsize))
-        box = (D, 1, STAGE_BOX_PIXELS, 1)
+        elected lane. A doubled last level (KernelConfig.doubles_coarsest) goes through pair_map."""
+        staging.expect(used * (self.D * self.cfg.itemsize))
         for level in cutlass.range_constexpr(self.L):
-            if staged[level]:
-                H, W = sizes[level]
-                boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
-                for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
-                    dst = cute.make_tensor(sStaged.iterator + (offsets[level] + b * STAGE_BOX_PIXELS) * D,
-                                           cute.make_layout(box))
-                    tSs, tSg = self.level_box(stage_atom, stage_tma, dst, starts[level], b, n, m)
-                    if cutlass.const_expr(self.cluster > 1):
-                        cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
-                                  mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
-                    else:
-                        cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
+            if cutlass.const_expr(self.cfg.doubles_coarsest and level == self.L - 1):
+                if doubled:
+                    self.stage_doubled(pair_map, sStaged, staging, sizes[level], starts[level], offsets[level], n, m,
+                                       rank)
+                elif staged[level]:
+                    self.stage_level(stage_atom, stage_tma, sStaged, staging, sizes[level], starts[level],
+                                     offsets[level], n, m, rank)
+            elif staged[level]:
+                self.stage_level(stage_atom, stage_tma, sStaged, staging, sizes[level], starts[level], offsets[level],
+                                 n, m, rank)
+
+    @cute.jit
+    def stage_level(self, stage_atom, stage_tma, sStaged, staging, size, start, offset, n, m, rank):
+        """One level's boxes of STAGE_BOX_PIXELS pixel rows, from pixel row `offset` of the buffer on."""
+        D = self.D
+        H, W = size
+        box = (D, 1, STAGE_BOX_PIXELS, 1)
+        boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+        for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
+            dst = cute.make_tensor(sStaged.iterator + (offset + b * STAGE_BOX_PIXELS) * D, cute.make_layout(box))
+            tSs, tSg = self.level_box(stage_atom, stage_tma, dst, start, b, n, m)
+            if cutlass.const_expr(self.cluster > 1):
+                cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier,
+                          mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+            else:
+                cute.copy(stage_atom, tSg, tSs, tma_bar_ptr=staging.barrier)
+
+    @cute.jit
+    def stage_doubled(self, pair_map, sStaged, staging, size, start, offset, n, m, rank):
+        """A level with each pixel row twice, side by side: boxes of STAGE_BOX_PIXELS pixels through pair_map
+        (its stride-0 dimension writes the copies), issued by lane 0 (a bulk tensor copy is one thread's)."""
+        D = self.D
+        H, W = size
+        boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+        if cute.arch.lane_idx() == 0:
+            desc = cutlass.Pointer(pair_map.get_ptr(), dtype=cutlass.Int64)
+            for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
+                dst = sStaged.iterator + (offset + 2 * b * STAGE_BOX_PIXELS) * D
+                coords = [cutlass.Int32(0), cutlass.Int32(0), m, cutlass.Int32(start) + b * STAGE_BOX_PIXELS, n]
+                if cutlass.const_expr(self.cluster > 1):
+                    prims.cp_async_bulk_tensor_shared_cluster_global(
+                        dst, desc, coords, staging.barrier, [], multicast_mask=cutlass.Int16((1 << self.cluster) - 1))
+                else:
+                    prims.cp_async_bulk_tensor_shared_cta_global(dst, desc, coords, staging.barrier)
+        cute.arch.sync_warp()
 
     def level_box(self, atom, tma, dst, start, b, n, m):
         """(destination, source) partitions of box b of a level whose first pixel is `start`, head m of image
@@ -797,9 +856,20 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             H, W, _, base = self.level_row(sLevels, level)
             if base >= 0:
-                top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels,
-                                                  self.cfg.staged_addresses)
-                self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
+                if cutlass.const_expr(self.cfg.doubles_coarsest and level == self.L - 1):
+                    if sLevels[self.L, 2] != 0:  # doubled: this thread reads the copies in its query slot's half
+                        self.gather_staged_level(acc, inputs, sStaged, level, H, W, base, chunk,
+                                                 cute.arch.thread_idx()[0] // self.T % 2)
+                    else:
+                        self.gather_staged_level(acc, inputs, sStaged, level, H, W, base, chunk)
+                else:
+                    self.gather_staged_level(acc, inputs, sStaged, level, H, W, base, chunk)
+
+    def gather_staged_level(self, acc, inputs, sStaged, level: int, H, W, base, chunk, half=None):
+        """One staged level's points (half: doubled, the copies in that half of each line)."""
+        top_left, corner = staged_corners(self.bilinear, sStaged, base, W, chunk, self.D, self.stage_pixels,
+                                          self.cfg.staged_addresses, half)
+        self.gather_points(acc, inputs, level, H, W, top_left, corner, 1)
 
     @cute.jit
     def gather_level_l1(self, acc, inputs, mValue, start, H, W, n, m, level: int, chunk, l1_priority: str,

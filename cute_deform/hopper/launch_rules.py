@@ -82,6 +82,8 @@ SHORT_RANGES = dict(vector_bytes=8, num_groups=4, producers=0, split_setup=True,
 SEGMENT_COST = 4
 # KernelConfig.strips: the fewest tiles a range (one a CTA) must take for the rule (choose_launch).
 STRIP_RANGE_TILES = 64
+# KernelConfig.doubled_coarsest's staging buffer: DETR's last level doubled (2 x 320 rows) beside its third (1088).
+DOUBLED_STAGE_BYTES = 108 * 1024
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
@@ -99,7 +101,7 @@ def launch_variants(cfg) -> list:
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
-    stagger_locations where _stagger_taken,
+    stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken,
     strips at up to three levels) where one round of long ranges runs, and to the order table (batched
     gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
@@ -148,8 +150,9 @@ def launch_variants(cfg) -> list:
                 one_round["output_evict_first"] = True
             if _staged_addresses_measured(cfg):  # ... and the staged corners' addresses selected
                 one_round["staged_addresses"] = True
-            if _stagger_taken(dataclasses.replace(cfg, **single, **one_round)):  # ... and the locations swizzled
-                one_round["stagger_locations"] = True
+            if _stagger_taken(dataclasses.replace(cfg, **single, **one_round)):  # ... and the locations swizzled,
+                one_round["stagger_locations"] = True  # ... and the last level staged doubled
+                one_round.update(doubled_coarsest=True, stage_bytes=DOUBLED_STAGE_BYTES)
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         if cfg.num_levels <= 3 and not cfg.permuted:  # ... and the first level in strips
@@ -532,6 +535,18 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # lost (H100, two runs: detr-encoder 126.5 -> 127.2, -init 115.9 -> 118.7) and so did several rounds (N=8
             # DETR encoder shapes, H100: 465.9 -> 471.8); v57 was not measured there, so they stay out.
             changes["stagger_locations"] = True
+        if "doubled_coarsest" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
+            # ... and the last level staged doubled (v58), in a staging buffer that holds DETR's doubled beside its
+            # third level (the kernel stages it single where that would leave a level out): the staged corners' bank
+            # conflicts of that level go, bitwise the same sums. Session 41, tune.py, µs, against the same buffer
+            # without it, alternating runs: H200 (three) detr-encoder 116.9 /
+            # 116.2 / 116.7 -> 113.8 / 114.5 / 114.4, -init 107.4 / 107.5 / 106.9 -> 106.4 / 106.6 / 106.0; H100 (two)
+            # 123.2 / 122.9 -> 120.8 / 121.0 and 113.3 / 113.2 -> 112.8 / 112.1. Not taken on the decoders (H100: tied
+            # on detr-decoder and -ref, 57.2-57.5 -> 57.4-58.1; the larger buffer cost decoder-b16 52.5 -> 53.6), and
+            # not measured on bf16 or several rounds.
+            changes["doubled_coarsest"] = True
+            if "stage_bytes" not in fixed:
+                changes["stage_bytes"] = DOUBLED_STAGE_BYTES
     if (one_round_long and not short and cfg.num_levels <= 3 and (not cfg.fused or first_level_strips)
             and not permuted and cfg.fine_gather == "ldg" and "strips" not in fixed
             and N * cfg.num_heads * query_blocks(cfg, Lq) >= STRIP_RANGE_TILES * grid):

@@ -173,18 +173,24 @@ class Bilinear:
 
 
 def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, zero_pixel: int,
-                   addresses: bool = False):
+                   addresses: bool = False, half=None):
     """(first corner from its pixel index, one corner's channels) in a level staged in shared memory
     at pixel `base`; a corner outside the level reads the zero pixel after the staged levels.
     addresses (KernelConfig.staged_addresses): the first corner is a byte address, and each corner selects
     between its address and the zero pixel's, the column step an immediate offset of the load, instead of
-    selecting a pixel index and forming each corner's address from it: the same loads, fewer instructions."""
+    selecting a pixel index and forming each corner's address from it: the same loads, fewer instructions.
+    half (KernelConfig.doubles_coarsest): the level holds each pixel row twice in a 128-byte line, and
+    this thread reads the copy in half `half` of it."""
     C = bilinear.C
     if addresses:
         width = bilinear.value_dtype.width // 8
-        pixel_bytes = head_dim * width
+        row = head_dim * width
         origin = (sStaged.iterator + chunk * C).toint()
-        zero = origin + zero_pixel * pixel_bytes
+        zero = origin + zero_pixel * row
+        pixel_bytes = row
+        if half is not None:
+            pixel_bytes = 2 * row
+            origin = origin + half * row
         row_bytes = W * pixel_bytes
 
         def corner_at(top_left, dy: int, dx: int, ok):
@@ -193,7 +199,16 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
             return bilinear.load(cute.make_ptr(bilinear.value_dtype, addr, cute.AddressSpace.smem,
                                                assumed_align=C * width))
 
-        return (lambda p: origin + (base + p) * pixel_bytes), corner_at
+        if half is None:
+            return (lambda p: origin + (base + p) * pixel_bytes), corner_at
+        return (lambda p: origin + base * row + p * pixel_bytes), corner_at
+
+    if half is not None:  # indices of 64-byte rows, two a pixel
+        def doubled(top_left, dy: int, dx: int, ok):
+            row = cutlass.select_(ok, top_left + ((2 * W if dy else 0) + 2 * dx), cutlass.Int32(zero_pixel))
+            return bilinear.load(sStaged.iterator + row * head_dim + chunk * C)
+
+        return (lambda p: base + half + 2 * p), doubled
 
     def corner(top_left, dy: int, dx: int, ok):
         pixel = cutlass.select_(ok, top_left + ((W if dy else 0) + dx), cutlass.Int32(zero_pixel))
