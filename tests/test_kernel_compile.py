@@ -341,9 +341,12 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             segment_cost=4),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                            output_evict_first=True, staged_addresses=True, stagger_locations=True),
+                                            output_evict_first=True, staged_addresses=True, stagger_locations=True,
+                                            doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
+                                            line_prefetch=True, stagger_locations=True),
                         dataclasses.replace(cfg, permuted=True, gather_batch=2, line_prefetch=True)]
     # At 8 points a level the table's launch sums samples in packed half arithmetic (bf16: fewer a sum).
     for value, sums in (("float16", 8), ("bfloat16", 4)):
@@ -398,11 +401,13 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
     # its own setup, up to 16 samples a query; four groups and the setup split beyond; whole-line L2 fetches,
     # the levels other than the finest evict-last in L2; up to 16 samples a query, a segment's start counts
     # for four tiles, the output rows are stored evict-first in L2, (at up to four points a level) staged
-    # corners select their byte addresses, and (fp16, rows of 128 bytes) odd slots read their locations staggered
+    # corners select their byte addresses, and (rows of 128 bytes) each slot reads its locations staggered and the
+    # last level doubled, in a larger staging buffer
     ("detr-encoder", 2, 22223, 22223, 4, dict(cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                               line_prefetch=True, coarse_evict_last=True, segment_cost=4,
                                               output_evict_first=True, staged_addresses=True,
-                                              stagger_locations=True)),
+                                              stagger_locations=True, doubled_coarsest=True,
+                                              stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)),
     ("dcnv4-test", 1, 15200, 20197, 8, dict(cluster_size=1, num_groups=4, producers=1, split_setup=True,
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
@@ -674,9 +679,9 @@ def test_staggered_locations_spread_over_the_banks():
     """Where two queries of a quarter-warp read location rows 128 bytes apart (DETR's four levels of four points,
     fp32 locations, dense rows, four threads a query), each level's two 16-byte halves cost 8 wavefronts a warp
     read in place and 4 read where TMA's 128-byte swizzle puts them (row q's chunk k at chunk k ^ (q % 8)). The rule
-    takes fp16 encoders in one round of single CTAs; bf16, several rounds, three levels (rows of 96 bytes: no
-    conflict), eight levels (256-byte rows: wider than the swizzle), the split setup and the fused kernel keep the
-    plain reads."""
+    takes fp16/bf16 encoders in one round of single CTAs and fp16 ones over several rounds; bf16 over several rounds,
+    three levels (rows of 96 bytes: no conflict), eight levels (256-byte rows: wider than the swizzle), the split setup
+    and the fused kernel keep the plain reads."""
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     encoder = dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0])
     assert encoder.staggers_locations and encoder.threads_per_query == 4 and encoder.loc_row_elems * 4 == 128
@@ -687,8 +692,9 @@ def test_staggered_locations_spread_over_the_banks():
                          for slot in range(8) for _ in range(4)]
             assert (_wavefronts(plain, 16), _wavefronts(staggered, 16)) == (8, 4)
     bf16 = tiled("bfloat16", "float32", "float32", 8, 4, 4, 32)
-    assert "stagger_locations" not in launch_of(bf16, 2, 22223, 22223)[0]
-    assert "stagger_locations" not in launch_of(cfg, 8, 22223, 22223, window=None)[0]  # several rounds
+    assert launch_of(bf16, 2, 22223, 22223)[0]["stagger_locations"]
+    assert launch_of(cfg, 8, 22223, 22223, window=None)[0]["stagger_locations"]  # several rounds: fp16 only
+    assert "stagger_locations" not in launch_of(bf16, 8, 22223, 22223, window=None)[0]
     assert "stagger_locations" not in launch_of(cfg, 2, 22223, 22223, fixed={"stagger_locations"})[0]
     eight = tiled("float16", "float32", "float32", 8, 8, 4, 32)
     assert not dataclasses.replace(eight, stagger_locations=True, split_setup=False, cluster_size=1).staggers_locations
@@ -704,9 +710,10 @@ def test_doubled_coarsest_level_spreads_over_the_banks():
     """A staged corner's eight queries of a warp read 64-byte rows, two queries a quarter warp: where a row's half of
     its 128-byte line is its pixel's parity, the two share a half one time in two (6 wavefronts a warp on average
     over random pixels, up to 8), while with the last level doubled (each row twice, side by side) and each query
-    reading the copy in its slot's half, they never do: 4 wavefronts at most, whatever the pixels. The rule takes the stagger's encoders,
-    whose larger staging buffer holds DETR's last level doubled beside its third level and keeps L1 60 KB; the
-    decoders and a fixed knob keep the plain layout."""
+    reading the copy in its slot's half, they never do: 4 wavefronts at most, whatever the pixels. The rule takes the
+    stagger's encoders in one round of single CTAs (fp16 and bf16), whose larger staging buffer holds DETR's last level
+    doubled beside its third level and keeps L1 60 KB; the decoders, several rounds and a fixed knob keep the plain
+    layout."""
     gen = random.Random(0)
     row = 64
     plain_total = 0
@@ -723,8 +730,10 @@ def test_doubled_coarsest_level_spreads_over_the_banks():
     rows = lambda H, W: -(-H * W // STAGE_BOX_PIXELS) * STAGE_BOX_PIXELS  # noqa: E731
     assert 2 * rows(13, 21) + rows(25, 42) <= encoder.stage_pixels  # DETR's last two levels, the last doubled
     assert encoder.smem_bytes + 1024 <= 196 * 1024  # the carveout that leaves L1 60 KB
-    for N, Lq in ((8, 900), (16, 300)):
+    for N, Lq in ((8, 900), (16, 300), (8, 22223)):  # the decoders, and an encoder over several rounds
         assert "doubled_coarsest" not in launch_of(cfg, N, Lq, 22223)[0]
+    bf16 = tiled("bfloat16", "float32", "float32", 8, 4, 4, 32)
+    assert dataclasses.replace(bf16, **launch_of(bf16, 2, 22223, 22223)[0]).doubles_coarsest
     assert "doubled_coarsest" not in launch_of(cfg, 2, 22223, 22223, fixed={"doubled_coarsest"})[0]
     fixed_stage = launch_of(cfg, 2, 22223, 22223, fixed={"stage_bytes"})[0]
     assert fixed_stage["doubled_coarsest"] and "stage_bytes" not in fixed_stage

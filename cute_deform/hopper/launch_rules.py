@@ -160,6 +160,8 @@ def launch_variants(cfg) -> list:
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
             out.append(dataclasses.replace(cfg, **single, l1_first=True))
         out.append(dataclasses.replace(cfg, **single))
+        if cfg.value_dtype == "float16" and _stagger_taken(dataclasses.replace(cfg, **single)):  # ... over rounds
+            out.append(dataclasses.replace(cfg, **single, stagger_locations=True))
         if cfg.num_levels == 1 and _unstaged_level_measured(cfg, cfg.permuted):  # ... and no staging buffer
             out += [dataclasses.replace(v, stage_bytes=0) for v in out[first:]]
     if not cfg.permuted:
@@ -229,9 +231,9 @@ def _staged_addresses_measured(cfg) -> bool:
 
 
 def _stagger_taken(cfg) -> bool:
-    """Whether one round of single CTAs over long ranges with cfg takes stagger_locations (choose_launch): fp16 value,
-    unfused, where KernelConfig.staggers_locations can act."""
-    return (cfg.value_dtype == "float16" and not cfg.fused
+    """Whether one round of single CTAs over long ranges with cfg takes stagger_locations and doubled_coarsest
+    (choose_launch): fp16/bf16 value, unfused, where KernelConfig.staggers_locations can act."""
+    return (cfg.packed_math and not cfg.fused
             and dataclasses.replace(cfg, stagger_locations=True).staggers_locations)
 
 
@@ -527,13 +529,13 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # on the H100).
             changes["staged_addresses"] = True
         if "stagger_locations" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
-            # ... and, with fp16 value where two queries of a quarter-warp read location rows 128 bytes apart (DETR's
-            # four levels of 4 points), the location ring swizzled by TMA and read where each half landed (v57).
+            # ... and, with fp16/bf16 value where two queries of a quarter-warp read location rows 128 bytes apart
+            # (DETR's four levels of 4 points), the location ring swizzled by TMA and read where each half landed (v57).
             # Session 40, tune.py, three runs in alternating orders, µs, means, without -> with it: H200 detr-encoder
-            # 120.9 -> 116.4, -init 110.0 -> 107.3; H100 125.8 -> 121.7 and 114.0 -> 111.2. v56's form (selects
-            # instead of the swizzle) was measured on the rule's edges: N=1 with the initial offsets tied (66.1), bf16
-            # lost (H100, two runs: detr-encoder 126.5 -> 127.2, -init 115.9 -> 118.7) and so did several rounds (N=8
-            # DETR encoder shapes, H100: 465.9 -> 471.8); v57 was not measured there, so they stay out.
+            # 120.9 -> 116.4, -init 110.0 -> 107.3; H100 125.8 -> 121.7 and 114.0 -> 111.2. bf16 (session 41, H200,
+            # two runs, with doubled_coarsest below): detr-encoder 121.1 / 120.8 -> 116.9 / 117.0, -init tied (111.3 /
+            # 110.5 -> 110.6 / 110.9); the doubled level alone 119.2 / 118.7 and 111.4 / 110.6. (v56's form, selects
+            # instead of the swizzle, lost in bf16 on the H100.) Several rounds: the rule further down.
             changes["stagger_locations"] = True
         if "doubled_coarsest" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
             # ... and the last level staged doubled (v58), in a staging buffer that holds DETR's doubled beside its
@@ -541,12 +543,18 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # conflicts of that level go, bitwise the same sums. Session 41, tune.py, µs, against the same buffer
             # without it, alternating runs: H200 (three) detr-encoder 116.9 /
             # 116.2 / 116.7 -> 113.8 / 114.5 / 114.4, -init 107.4 / 107.5 / 106.9 -> 106.4 / 106.6 / 106.0; H100 (two)
-            # 123.2 / 122.9 -> 120.8 / 121.0 and 113.3 / 113.2 -> 112.8 / 112.1. Not taken on the decoders (H100: tied
-            # on detr-decoder and -ref, 57.2-57.5 -> 57.4-58.1; the larger buffer cost decoder-b16 52.5 -> 53.6), and
-            # not measured on bf16 or several rounds.
+            # 123.2 / 122.9 -> 120.8 / 121.0 and 113.3 / 113.2 -> 112.8 / 112.1; bf16 above. Not taken on the decoders
+            # (H100: tied on detr-decoder and -ref, 57.2-57.5 -> 57.4-58.1; the larger buffer cost decoder-b16 52.5 ->
+            # 53.6) or over several rounds (below).
             changes["doubled_coarsest"] = True
             if "stage_bytes" not in fixed:
                 changes["stage_bytes"] = DOUBLED_STAGE_BYTES
+    if (long_ranges and not one_round_long and cfg.value_dtype == "float16" and "stagger_locations" not in fixed
+            and _stagger_taken(dataclasses.replace(cfg, **changes))):
+        # Several rounds of single CTAs over long ranges (batched fp16 encoders): the swizzled location ring alone
+        # (v57). Session 41, H200, tune.py, two runs in opposite orders, N=8 DETR encoder shapes, µs: 450.9 / 452.2 ->
+        # 443.7 / 443.8; with the last level doubled as well 448.4 / 443.7, not taken (v56's selects lost there, H100).
+        changes["stagger_locations"] = True
     if (one_round_long and not short and cfg.num_levels <= 3 and (not cfg.fused or first_level_strips)
             and not permuted and cfg.fine_gather == "ldg" and "strips" not in fixed
             and N * cfg.num_heads * query_blocks(cfg, Lq) >= STRIP_RANGE_TILES * grid):
