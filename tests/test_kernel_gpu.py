@@ -414,16 +414,15 @@ def test_staged_addresses_read_the_same_corners(gen, value_dtype):
 
 @pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
 def test_staggered_locations_read_the_same_points(gen, value_dtype):
-    """detr-encoder's fp16 launch loads its location ring with TMA's 128-byte swizzle and reads each half where it
-    landed (stagger_locations; bf16 forced here): with locations on and past the levels' borders, NaN and inf among
+    """detr-encoder's fp16 and bf16 launches load the location ring with TMA's 128-byte swizzle and read each half
+    where it landed (stagger_locations): with locations on and past the levels' borders, NaN and inf among
     them, and inf and NaN among value's pixels, its output is bitwise the launch's without it, and the finite rest
     within the bound of float64."""
     inputs, S = hostile_encoder_inputs(gen, value_dtype)
     value, shapes, starts, loc, attn = inputs
-    on = {} if value_dtype == torch.float16 else dict(stagger_locations=True)
-    cfg = launched_config(value, loc, attn, None, on, 2, S, S)
+    cfg = launched_config(value, loc, attn, None, {}, 2, S, S)
     assert cfg.staggers_locations
-    assert_bitwise_the_same_and_within_reference(inputs, (on, dict(stagger_locations=False)), value_dtype)
+    assert_bitwise_the_same_and_within_reference(inputs, ({}, dict(stagger_locations=False)), value_dtype)
 
 
 @pytest.mark.parametrize("value_dtype,levels", [
@@ -432,14 +431,14 @@ def test_staggered_locations_read_the_same_points(gen, value_dtype):
     (torch.float16, [(128, 168), (64, 84), (32, 42), (16, 21)]),  # the last two fit the buffer single, not doubled
 ])
 def test_doubled_coarsest_level_reads_the_same_points(gen, value_dtype, levels):
-    """detr-encoder's fp16 launch stages its last level with each pixel row twice and reads the copy in each query
-    slot's half (doubled_coarsest; forced for bf16 and for levels where the doubled level would leave the next one
-    out, which the kernel then stages single). With locations on and past the levels' borders, NaN and inf among them, and inf and NaN among
+    """detr-encoder's fp16 and bf16 launches stage the last level with each pixel row twice and read the copy in each
+    query slot's half (doubled_coarsest; forced for levels where the doubled level would leave the next one out, which
+    the kernel then stages single). With locations on and past the levels' borders, NaN and inf among them, and inf and NaN among
     value's pixels, the output is bitwise the launch's without it, and the finite rest within the bound of float64."""
     inputs, S = hostile_encoder_inputs(gen, value_dtype, levels)
     value, shapes, starts, loc, attn = inputs
     forced = dict(doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
-    on = {} if value_dtype == torch.float16 and levels == DETR_LEVELS else forced
+    on = {} if levels == DETR_LEVELS else forced
     cfg = launched_config(value, loc, attn, None, on, 2, S, S)
     assert cfg.doubles_coarsest and cfg.stage_bytes == launch_rules.DOUBLED_STAGE_BYTES
     off = dict(doubled_coarsest=False, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
