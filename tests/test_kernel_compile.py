@@ -614,13 +614,16 @@ def test_aligned_rounds_are_the_fewest_within_the_tolerance():
 @pytest.mark.parametrize("N,rounds", [(2, 1), (3, 2), (4, 2), (8, 4)])
 def test_batched_encoders_take_single_ctas_over_rounds_of_half_of_l2(N, rounds):
     """fp16 encoders without the order table take single CTAs in any number of rounds, each round's
-    (image, head) slices within half of L2 (detr shapes: two images in one round); only one round keeps
-    the coarser levels evict-last in L2 and stores the output evict-first."""
+    (image, head) slices within half of L2 (detr shapes: two images in one round); every round count reads the
+    locations staggered, and only one round keeps the coarser levels evict-last in L2, stores the output evict-first
+    and stages the last level doubled."""
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     changes, grid, schedule = launch_of(cfg, N, 22223, 22223, window=None)
     assert changes == dict(cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
+                           stagger_locations=True,
                            **(dict(coarse_evict_last=True, segment_cost=4, output_evict_first=True,
-                                   staged_addresses=True, stagger_locations=True) if rounds == 1 else {}))
+                                   staged_addresses=True, doubled_coarsest=True,
+                                   stage_bytes=launch_rules.DOUBLED_STAGE_BYTES) if rounds == 1 else {}))
     assert (schedule.rounds, schedule.whole, grid) == (rounds, False, H100["sms"])
 
 
