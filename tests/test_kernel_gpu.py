@@ -425,6 +425,18 @@ def test_staggered_locations_read_the_same_points(gen, value_dtype):
     assert_bitwise_the_same_and_within_reference(inputs, ({}, dict(stagger_locations=False)), value_dtype)
 
 
+def test_staggered_locations_over_rounds_read_the_same_points(gen):
+    """Over several rounds (a caller's window of a quarter of L2: two rounds at detr-encoder's shapes) the fp16 launch
+    reads its locations staggered too, and stages the last level single: on hostile inputs its output is bitwise the
+    launch's without the stagger, and the finite rest within the bound of float64."""
+    inputs, S = hostile_encoder_inputs(gen, torch.float16)
+    value, shapes, starts, loc, attn = inputs
+    window = dict(window_fraction=0.25)
+    cfg = launched_config(value, loc, attn, None, window, 2, S, S)
+    assert cfg.staggers_locations and not cfg.doubles_coarsest and not cfg.staged_addresses  # not one round
+    assert_bitwise_the_same_and_within_reference(inputs, (window, dict(window, stagger_locations=False)), torch.float16)
+
+
 @pytest.mark.parametrize("value_dtype,levels", [
     (torch.float16, DETR_LEVELS),
     (torch.bfloat16, DETR_LEVELS),
