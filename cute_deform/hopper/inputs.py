@@ -12,6 +12,7 @@ Everything is returned in pixel units of the level: w = x * W - 0.5, h = y * H -
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ class QueryInputs:
         inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, None, lanes, stagger)
         if fused:
             softmax = inputs._softmax_split() if lanes is not None else inputs._softmax()
-            inputs = QueryInputs(num_levels, num_points, fused, ref_dims, source, ref, softmax, lanes)
+            inputs = dataclasses.replace(inputs, softmax=softmax)
         return inputs
 
     def _raw_logit(self, k):

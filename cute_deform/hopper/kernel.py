@@ -146,15 +146,12 @@ class MSDAForward:
         if cutlass.const_expr(self.prefetch and not self.permuted):
             loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems)
             attn_atom, attn_tma = self.input_atom(mAttn, self.LP, self.cfg.attn_row_elems)
-        # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
-        # address and sizes every CTA patches on the device.
-        box_template = None
+        # KernelConfig.staggers_locations: the location rows as (per_query, M, Lq, N), loaded with TMA's 128-byte
+        # swizzle by a map made here (the DSL's atom split a swizzled box into 8-byte copies).
+        loc_map = None
         if cutlass.const_expr(self.cfg.staggers_locations):
-            # KernelConfig.staggers_locations: the location rows as (per_query, M, Lq, N), loaded with TMA's 128-byte
-            # swizzle by a map made here (the DSL's atom split a swizzled box into 8-byte copies), in the boxes' map
-            # slot (the box path is off).
             per_query = 2 * self.LP
-            box_template = tensor_map.create_tensor_map_tiled(
+            loc_map = tensor_map.create_tensor_map_tiled(
                 global_address=mLoc.iterator.toint(),
                 dtype=cutlass.Float32,
                 global_dims=[per_query, M, Lq, N],
@@ -162,6 +159,9 @@ class MSDAForward:
                 box_dims=[per_query, 1, self.G, 1],
                 swizzle=tensor_map.TensorMapSwizzle.s128b,
             )
+        # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
+        # address and sizes every CTA patches on the device.
+        box_template = None
         if cutlass.const_expr(self.boxes):
             units = M * D * e // 16
             box_template = tensor_map.create_tensor_map_tiled(
@@ -208,8 +208,8 @@ class MSDAForward:
         check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
         num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
         self.kernel(stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
-                    pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles, rounds,
-                    whole).launch(
+                    loc_map, pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles,
+                    rounds, whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
@@ -223,6 +223,7 @@ class MSDAForward:
     @cute.kernel
     def kernel(self, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
                box_template: cutlass.GridConstant[tensor_map.TensorMap],
+               loc_map: cutlass.GridConstant[tensor_map.TensorMap],
                pair_map: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
                mStarts: cute.Tensor, mLoc: cute.Tensor, mAttn: cute.Tensor, mRef: cute.Tensor, mOrder: cute.Tensor,
                mOut: cute.Tensor, mDesc: cute.Tensor,
@@ -283,9 +284,12 @@ class MSDAForward:
         staged = [cutlass.Boolean(False)] * self.L
         offsets = [cutlass.Int32(0)] * self.L
         used = cutlass.Int32(0)
+        last_px = None
         for level in cutlass.range_constexpr(self.L - 1, -1, -1):
             H, W = sizes[level]
             px = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+            if cutlass.const_expr(level == self.L - 1):
+                last_px = px
             fits = used + px <= self.stage_pixels
             staged[level] = fits
             offsets[level] = used
@@ -293,10 +297,8 @@ class MSDAForward:
         # KernelConfig.doubles_coarsest: the last level takes twice its rows where the same levels still fit.
         doubled = cutlass.Boolean(False)
         if cutlass.const_expr(self.cfg.doubles_coarsest):
-            H, W = sizes[self.L - 1]
-            extra = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
-            doubled = staged[self.L - 1] & (used + extra <= self.stage_pixels)
-            extra = cutlass.select_(doubled, extra, 0)
+            doubled = staged[self.L - 1] & (used + last_px <= self.stage_pixels)
+            extra = cutlass.select_(doubled, last_px, 0)
             for level in cutlass.range_constexpr(self.L - 1):
                 offsets[level] = offsets[level] + extra
             used = used + extra
@@ -320,9 +322,9 @@ class MSDAForward:
 
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma,
-                          attn_atom, attn_tma, box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage,
-                          input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets, used,
-                          doubled, rank, bidx)
+                          attn_atom, attn_tma, box_template, loc_map, pair_map, mValue, mLoc, mAttn, mOrder, mDesc,
+                          storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
+                          used, doubled, rank, bidx)
         else:
             g = warp // CONSUMER_WARPS
             self.consumer(g, mValue, mLoc, mAttn, mRef, mOrder, mOut, storage, input_rings, box_rings, staging,
@@ -358,8 +360,8 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, p, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                 box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings, staging,
-                 scheduler, rounds, sizes, starts, staged, offsets, used, doubled, rank, bidx):
+                 box_template, loc_map, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings,
+                 staging, scheduler, rounds, sizes, starts, staged, offsets, used, doubled, rank, bidx):
         """Producer warp p feeds groups p, p + producers, ... (with TMA boxes, its own group only)."""
         producers = self.cfg.producer_warps
         served = self.groups // producers
@@ -403,7 +405,7 @@ class MSDAForward:
                             if cutlass.const_expr(self.prefetch):
                                 input_states[j] = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
                                                                    input_rings, input_states[j], mLoc, mAttn, mOrder,
-                                                                   n, m, q0, box_template)
+                                                                   n, m, q0, loc_map)
                             if cutlass.const_expr(self.boxes):
                                 box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes,
                                                             staged, n, m, q0)

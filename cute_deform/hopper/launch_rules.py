@@ -231,8 +231,9 @@ def _staged_addresses_measured(cfg) -> bool:
 
 
 def _stagger_taken(cfg) -> bool:
-    """Whether one round of single CTAs over long ranges with cfg takes stagger_locations and doubled_coarsest
-    (choose_launch): fp16/bf16 value, unfused, where KernelConfig.staggers_locations can act."""
+    """Whether single CTAs over long ranges with cfg take stagger_locations (choose_launch; in one round also
+    doubled_coarsest, over several rounds fp16 only): fp16/bf16 value, unfused, where KernelConfig.staggers_locations
+    can act."""
     return (cfg.packed_math and not cfg.fused
             and dataclasses.replace(cfg, stagger_locations=True).staggers_locations)
 
@@ -528,7 +529,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # not the staged reads) and whole segments (unfused decoders tied; the fused detr-decoder lost, 62.4 -> 65.3
             # on the H100).
             changes["staged_addresses"] = True
-        if "stagger_locations" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
+        stagger = _stagger_taken(dataclasses.replace(cfg, **changes))
+        if "stagger_locations" not in fixed and stagger:
             # ... and, with fp16/bf16 value where two queries of a quarter-warp read location rows 128 bytes apart
             # (DETR's four levels of 4 points), the location ring swizzled by TMA and read where each half landed (v57).
             # Session 40, tune.py, three runs in alternating orders, µs, means, without -> with it: H200 detr-encoder
@@ -537,7 +539,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # 110.5 -> 110.6 / 110.9); the doubled level alone 119.2 / 118.7 and 111.4 / 110.6. (v56's form, selects
             # instead of the swizzle, lost in bf16 on the H100.) Several rounds: the rule further down.
             changes["stagger_locations"] = True
-        if "doubled_coarsest" not in fixed and _stagger_taken(dataclasses.replace(cfg, **changes)):
+        if "doubled_coarsest" not in fixed and stagger:
             # ... and the last level staged doubled (v58), in a staging buffer that holds DETR's doubled beside its
             # third level (the kernel stages it single where that would leave a level out): the staged corners' bank
             # conflicts of that level go, bitwise the same sums. Session 41, tune.py, µs, against the same buffer

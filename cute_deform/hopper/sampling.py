@@ -203,18 +203,17 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
             return (lambda p: origin + (base + p) * pixel_bytes), corner_at
         return (lambda p: origin + base * row + p * pixel_bytes), corner_at
 
-    if half is not None:  # indices of 64-byte rows, two a pixel
-        def doubled(top_left, dy: int, dx: int, ok):
-            row = cutlass.select_(ok, top_left + ((2 * W if dy else 0) + 2 * dx), cutlass.Int32(zero_pixel))
-            return bilinear.load(sStaged.iterator + row * head_dim + chunk * C)
-
-        return (lambda p: base + half + 2 * p), doubled
+    # Indices of 64-byte rows: one a pixel, or two where doubled.
+    rows = 1 if half is None else 2
+    row_step = W if half is None else 2 * W
 
     def corner(top_left, dy: int, dx: int, ok):
-        pixel = cutlass.select_(ok, top_left + ((W if dy else 0) + dx), cutlass.Int32(zero_pixel))
-        return bilinear.load(sStaged.iterator + pixel * head_dim + chunk * C)
+        row = cutlass.select_(ok, top_left + ((row_step if dy else 0) + rows * dx), cutlass.Int32(zero_pixel))
+        return bilinear.load(sStaged.iterator + row * head_dim + chunk * C)
 
-    return (lambda p: base + p), corner
+    if half is None:
+        return (lambda p: base + p), corner
+    return (lambda p: base + half + 2 * p), corner
 
 
 def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False,
