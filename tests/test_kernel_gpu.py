@@ -445,8 +445,9 @@ def test_staggered_locations_over_rounds_read_the_same_points(gen):
 def test_doubled_coarsest_level_reads_the_same_points(gen, value_dtype, levels):
     """detr-encoder's fp16 and bf16 launches stage the last level with each pixel row twice and read the copy in each
     query slot's half (doubled_coarsest; forced for levels where the doubled level would leave the next one out, which
-    the kernel then stages single). With locations on and past the levels' borders, NaN and inf among them, and inf and NaN among
-    value's pixels, the output is bitwise the launch's without it, and the finite rest within the bound of float64."""
+    the kernel then stages single). With locations on and past the levels' borders, NaN and inf among them, and inf
+    and NaN among value's pixels, the output is bitwise the launch's without it, and the finite rest within the bound
+    of float64."""
     inputs, S = hostile_encoder_inputs(gen, value_dtype, levels)
     value, shapes, starts, loc, attn = inputs
     forced = dict(doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
