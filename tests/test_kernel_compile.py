@@ -741,7 +741,8 @@ def test_doubled_coarsest_level_spreads_over_the_banks():
     fixed_stage = launch_of(cfg, 2, 22223, 22223, fixed={"stage_bytes"})[0]
     assert fixed_stage["doubled_coarsest"] and "stage_bytes" not in fixed_stage
     assert not dataclasses.replace(cfg, doubled_coarsest=True, fine_gather="tma").doubles_coarsest
-    assert not tiled("float32", "float32", "float32", 8, 4, 4, 32, doubled_coarsest=True).doubles_coarsest  # 128-byte rows
+    fp32 = tiled("float32", "float32", "float32", 8, 4, 4, 32, doubled_coarsest=True)
+    assert not fp32.doubles_coarsest  # 128-byte rows
     assert encoder in launch_rules.launch_variants(cfg)
 
 
