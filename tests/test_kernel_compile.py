@@ -343,6 +343,11 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             line_prefetch=True, coarse_evict_last=True, segment_cost=4,
                                             output_evict_first=True, staged_addresses=True, stagger_locations=True,
                                             doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES),
+                        # ... the same on fast DRAM, without the coarser levels' evict-last hint
+                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
+                                            line_prefetch=True, segment_cost=4,
+                                            output_evict_first=True, staged_addresses=True, stagger_locations=True,
+                                            doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -709,6 +714,31 @@ def test_staggered_locations_spread_over_the_banks():
     assert not dataclasses.replace(fused, stagger_locations=True).staggers_locations
 
 
+@pytest.mark.parametrize("dram,value,dropped", [
+    (4_800 * 10**9, "float16", True),  # an H200: the fp16 encoders drop the coarser levels' evict-last hint
+    (3_350 * 10**9, "float16", False),  # an H100 keeps it
+    (0, "float16", False),  # unknown bandwidth: as an H100
+    (4_800 * 10**9, "bfloat16", False),  # bf16 was not measured
+])
+def test_fast_dram_drops_the_coarse_levels_evict_last_hint_on_the_encoders(dram, value, dropped):
+    """On DRAM of at least launch_rules.FAST_DRAM_BYTES_PER_S the fp16 encoders' launch (one round of single CTAs, the
+    locations staggered) leaves out coarse_evict_last, and only that; the launch it picks is precompiled
+    (launch_variants). The decoders, several rounds and a caller's own knob are untouched."""
+    cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
+
+    def launch(N, Lq, dram_bytes, fixed=frozenset()):
+        return launch_rules.choose_launch(cfg, N, Lq, 22223, H100["sms"], H100["l2_bytes"], None, "auto",
+                                          frozenset(fixed), None, dram_bytes)[0]
+
+    plain, fast = launch(2, 22223, 0), launch(2, 22223, dram)
+    assert plain["coarse_evict_last"] and plain["stagger_locations"]
+    assert fast == ({k: v for k, v in plain.items() if k != "coarse_evict_last"} if dropped else plain)
+    assert dataclasses.replace(cfg, **fast) in launch_rules.launch_variants(cfg)
+    for N, Lq in ((8, 900), (16, 300), (8, 22223)):  # the decoders, and an encoder over several rounds
+        assert launch(N, Lq, dram) == launch(N, Lq, 0)
+    assert launch(2, 22223, dram, {"coarse_evict_last"}) == launch(2, 22223, 0, {"coarse_evict_last"})
+
+
 def test_doubled_coarsest_level_spreads_over_the_banks():
     """A staged corner's eight queries of a warp read 64-byte rows, two queries a quarter warp: where a row's half of
     its 128-byte line is its pixel's parity, the two share a half one time in two (6 wavefronts a warp on average
@@ -925,7 +955,7 @@ def test_launch_arguments_and_the_per_size_cache(monkeypatch):
     placeholder a device serves every call), and a plan works out each size's launch once."""
     launched = []
     monkeypatch.setattr(interface, "_plans", {})
-    monkeypatch.setattr(interface, "_device_props", lambda index: (H100["sms"], H100["l2_bytes"]))
+    monkeypatch.setattr(interface, "_device_props", lambda index: (H100["sms"], H100["l2_bytes"], 0))
     monkeypatch.setattr(interface._LaunchPlan, "fn", property(lambda plan: lambda *a: launched.append((plan.cfg, a))))
 
     small = _meta_call(2, 900)

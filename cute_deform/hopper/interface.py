@@ -67,10 +67,12 @@ _sm_props: dict = {}
 
 
 def _device_props(index: int):
+    """(SMs, L2 bytes, DRAM bytes a second or 0 where torch does not say) of a device."""
     props = _sm_props.get(index)
     if props is None:
         p = torch.cuda.get_device_properties(index)
-        props = _sm_props[index] = (p.multi_processor_count, p.L2_cache_size)
+        clock_khz, bus_bits = getattr(p, "memory_clock_rate", 0), getattr(p, "memory_bus_width", 0)
+        props = _sm_props[index] = (p.multi_processor_count, p.L2_cache_size, 2 * clock_khz * 1000 * bus_bits // 8)
     return props
 
 
@@ -82,6 +84,7 @@ class _LaunchPlan:
     cfg: object
     sms: int
     l2_bytes: int
+    dram_bytes_per_s: int
     tuning: dict
     variants: dict = dataclasses.field(default_factory=dict)
     # (N, Lq, S, window, reorder) -> (plan that runs, grid, rounds, whole): choose_launch's answer
@@ -113,8 +116,8 @@ def _plan_for(value, loc, attn, ref, tuning) -> _LaunchPlan:
     plan = _plans.get(key)
     if plan is None:
         cfg = config_for(value, loc, attn, ref, **tuning)
-        sms, l2 = _device_props(value.get_device())
-        plan = _LaunchPlan(cfg, sms, l2, dict(tuning))
+        sms, l2, dram = _device_props(value.get_device())
+        plan = _LaunchPlan(cfg, sms, l2, dram, dict(tuning))
         _plans[key] = plan
     return plan
 
@@ -246,7 +249,8 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
     launch = plan.launches.get(size)
     if launch is None:
         changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.sms, plan.l2_bytes, window, reorder,
-                                                frozenset(tuning) if tuning else _NOTHING_FIXED, strips)
+                                                frozenset(tuning) if tuning else _NOTHING_FIXED, strips,
+                                                plan.dram_bytes_per_s)
         runs = plan.variant(value, loc, attn, ref, **changes) if changes else plan
         if len(plan.launches) >= 4096:  # sizes that keep changing must not grow it without bound
             plan.launches.clear()

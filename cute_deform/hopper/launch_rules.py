@@ -84,6 +84,9 @@ SEGMENT_COST = 4
 STRIP_RANGE_TILES = 64
 # KernelConfig.doubled_coarsest's staging buffer: DETR's last level doubled (2 x 320 rows) beside its third (1088).
 DOUBLED_STAGE_BYTES = 108 * 1024
+# DRAM this fast (the H200's 4.8 TB/s, not the H100's 3.35) makes the coarser levels' evict-last hint lose on the fp16
+# encoders (choose_launch has the measurements).
+FAST_DRAM_BYTES_PER_S = 4 * 10**12
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
@@ -155,6 +158,8 @@ def launch_variants(cfg) -> list:
                 one_round.update(doubled_coarsest=True, stage_bytes=DOUBLED_STAGE_BYTES)
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
+        if one_round.get("stagger_locations") and cfg.value_dtype == "float16":  # ... on fast DRAM, without evict-last
+            out.append(dataclasses.replace(cfg, **{**one_round, "coarse_evict_last": False}, **single))
         if cfg.num_levels <= 3 and not cfg.permuted:  # ... and the first level in strips
             out.append(dataclasses.replace(cfg, **one_round, **single, strips=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
@@ -353,12 +358,13 @@ def _single_cta(cfg, permuted: bool) -> dict:
 
 
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window, reorder,
-                  fixed: frozenset = frozenset(), first_level_strips: bool | None = None):
+                  fixed: frozenset = frozenset(), first_level_strips: bool | None = None, dram_bytes_per_s: int = 0):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
     schedule. window: the share of L2 a round may spread over, or None for the launch's default;
     reorder: True, False or "auto"; fixed: the knobs the caller set, which stay; first_level_strips: whether
     the first level's rows are whole tiles (strip_rows), where the caller's level table is on the host, else
-    None. Several microseconds of Python: _launch asks once per plan and problem size."""
+    None; dram_bytes_per_s: the device's DRAM bandwidth, 0 where unknown (taken as an H100's). Several
+    microseconds of Python: _launch asks once per plan and problem size."""
     changes = {}
     given_window = window
     if window is None:
@@ -551,6 +557,15 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             changes["doubled_coarsest"] = True
             if "stage_bytes" not in fixed:
                 changes["stage_bytes"] = DOUBLED_STAGE_BYTES
+        if ("coarse_evict_last" not in fixed and stagger and cfg.value_dtype == "float16"
+                and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S):
+            # ... and on fast DRAM (the H200) without the coarser levels' evict-last hint: the misses it saves cost
+            # less there than what it keeps in L2. Session 42, tune.py, four runs in alternating orders, µs, with ->
+            # without it: H200 detr-encoder 115.5 / 115.3 / 115.4 / 115.3 -> 114.6 / 114.9 / 114.2 / 115.1, -init 107.8
+            # / 107.2 / 107.2 / 107.1 -> 106.5 / 107.2 / 106.7 / 106.3; the H100 keeps it (121.1-121.4 -> 122.5-123.3
+            # and 112.0-113.7 -> 113.1-114.0). dcnv4-test and the Mask2Former encoder (not these launches) tied on
+            # both; bf16 was not measured.
+            changes.pop("coarse_evict_last", None)
     if (long_ranges and not one_round_long and cfg.value_dtype == "float16" and "stagger_locations" not in fixed
             and _stagger_taken(dataclasses.replace(cfg, **changes))):
         # Several rounds of single CTAs over long ranges (batched fp16 encoders): the swizzled location ring alone
