@@ -104,7 +104,8 @@ def launch_variants(cfg) -> list:
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
-    stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken,
+    stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
+    without coarse_evict_last, the launch on fast DRAM),
     strips at up to three levels) where one round of long ranges runs, and to the order table (batched
     gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
