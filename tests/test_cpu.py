@@ -46,7 +46,12 @@ def test_special_locations_match_the_reference(gen, case):
     ref_fp32 = fp32_reference(*args)
     err, err_fp32 = rel_err(out, ref), rel_err(ref_fp32, ref)
     assert torch.isfinite(out).all()
-    assert err <= 1.5 * err_fp32 + 1e-7, (levels, sizes, err, err_fp32)
+    # Slack for fp32 sums in another order than the fp32 reference's: a few ulps of the sum of the terms' magnitudes
+    # (the weights are not negative), which exceeds the output where terms cancel; with a handful of outputs the
+    # reference's own error can be far below it (one output once came 4 ulps from the fp32 reference, 2.7e-7).
+    magnitude = ms_deform_attn_reference(args[0].abs(), *args[1:]).norm() / ref.norm()
+    slack = max(1e-7, 16 * 2.0**-24 * float(magnitude))
+    assert err <= 1.5 * err_fp32 + slack, (levels, sizes, err, err_fp32, slack)
     if err >= 1e-5:
         # Only where an ulp decides whether a sample is in, and the fp32 rule decides it as the op does: with
         # few samples the float64 output can be one corner of weight ~1e-8 that fp32 skips (norm ~1e-7).
