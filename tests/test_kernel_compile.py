@@ -723,7 +723,8 @@ def test_staggered_locations_spread_over_the_banks():
 def test_fast_dram_drops_the_coarse_levels_evict_last_hint_on_the_encoders(dram, value, dropped):
     """On DRAM of at least launch_rules.FAST_DRAM_BYTES_PER_S the fp16 encoders' launch (one round of single CTAs, the
     locations staggered) leaves out coarse_evict_last, and only that; the launch it picks is precompiled
-    (launch_variants). The decoders, several rounds and a caller's own knob are untouched."""
+    (launch_variants). The decoders, several rounds, a caller's own knob and a launch without the stagger are
+    untouched."""
     cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
 
     def launch(N, Lq, dram_bytes, fixed=frozenset()):
@@ -737,6 +738,7 @@ def test_fast_dram_drops_the_coarse_levels_evict_last_hint_on_the_encoders(dram,
     for N, Lq in ((8, 900), (16, 300), (8, 22223)):  # the decoders, and an encoder over several rounds
         assert launch(N, Lq, dram) == launch(N, Lq, 0)
     assert launch(2, 22223, dram, {"coarse_evict_last"}) == launch(2, 22223, 0, {"coarse_evict_last"})
+    assert launch(2, 22223, dram, {"stagger_locations"})["coarse_evict_last"]  # measured with the stagger only
 
 
 def test_doubled_coarsest_level_spreads_over_the_banks():

@@ -558,8 +558,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             changes["doubled_coarsest"] = True
             if "stage_bytes" not in fixed:
                 changes["stage_bytes"] = DOUBLED_STAGE_BYTES
-        if ("coarse_evict_last" not in fixed and stagger and cfg.value_dtype == "float16"
-                and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S):
+        if ("coarse_evict_last" not in fixed and changes.get("stagger_locations", cfg.stagger_locations)
+                and cfg.value_dtype == "float16" and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S):
             # ... and on fast DRAM (the H200) without the coarser levels' evict-last hint: the misses it saves cost
             # less there than what it keeps in L2. Session 42, tune.py, four runs in alternating orders, µs, with ->
             # without it: H200 detr-encoder 115.5 / 115.3 / 115.4 / 115.3 -> 114.6 / 114.9 / 114.2 / 115.1, -init 107.8
