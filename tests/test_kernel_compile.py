@@ -12,7 +12,7 @@ if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
 from cute_deform.hopper import compile_cache, kernel, launch_rules, tile_scheduler  # noqa: E402
-from cute_deform.hopper.config import STAGE_BOX_PIXELS, KernelConfig  # noqa: E402
+from cute_deform.hopper.config import STAGE_BOX_PIXELS, KernelConfig, round_up  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
 from msda_testing import raster_cells  # noqa: E402
@@ -762,8 +762,8 @@ def test_doubled_coarsest_level_spreads_over_the_banks():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     encoder = dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0])
     assert encoder.doubles_coarsest and encoder.stage_bytes == launch_rules.DOUBLED_STAGE_BYTES
-    rows = lambda H, W: -(-H * W // STAGE_BOX_PIXELS) * STAGE_BOX_PIXELS  # noqa: E731
-    assert 2 * rows(13, 21) + rows(25, 42) <= encoder.stage_pixels  # DETR's last two levels, the last doubled
+    # DETR's last two levels in whole staging boxes, the last doubled
+    assert 2 * round_up(13 * 21, STAGE_BOX_PIXELS) + round_up(25 * 42, STAGE_BOX_PIXELS) <= encoder.stage_pixels
     assert encoder.smem_bytes + 1024 <= 196 * 1024  # the carveout that leaves L1 60 KB
     for N, Lq in ((8, 900), (16, 300), (8, 22223)):  # the decoders, and an encoder over several rounds
         assert "doubled_coarsest" not in launch_of(cfg, N, Lq, 22223)[0]

@@ -159,7 +159,7 @@ def launch_variants(cfg) -> list:
                 one_round.update(doubled_coarsest=True, stage_bytes=DOUBLED_STAGE_BYTES)
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
-        if one_round.get("stagger_locations") and cfg.value_dtype == "float16":  # ... on fast DRAM, without evict-last
+        if _fast_dram_drops_evict_last(dataclasses.replace(cfg, **one_round)):  # ... on fast DRAM, without evict-last
             out.append(dataclasses.replace(cfg, **{**one_round, "coarse_evict_last": False}, **single))
         if cfg.num_levels <= 3 and not cfg.permuted:  # ... and the first level in strips
             out.append(dataclasses.replace(cfg, **one_round, **single, strips=True))
@@ -242,6 +242,12 @@ def _stagger_taken(cfg) -> bool:
     can act."""
     return (cfg.packed_math and not cfg.fused
             and dataclasses.replace(cfg, stagger_locations=True).staggers_locations)
+
+
+def _fast_dram_drops_evict_last(cfg) -> bool:
+    """Whether one round of single CTAs with cfg (the launch's knobs applied) leaves out coarse_evict_last on DRAM of
+    FAST_DRAM_BYTES_PER_S or more (choose_launch): the staggered locations' launch, fp16 value, where it was measured."""
+    return cfg.stagger_locations and cfg.value_dtype == "float16"
 
 
 def _half_vectors_measured(cfg, permuted: bool) -> bool:
@@ -558,8 +564,8 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             changes["doubled_coarsest"] = True
             if "stage_bytes" not in fixed:
                 changes["stage_bytes"] = DOUBLED_STAGE_BYTES
-        if ("coarse_evict_last" not in fixed and changes.get("stagger_locations", cfg.stagger_locations)
-                and cfg.value_dtype == "float16" and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S):
+        if ("coarse_evict_last" not in fixed and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S
+                and _fast_dram_drops_evict_last(dataclasses.replace(cfg, **changes))):
             # ... and on fast DRAM (the H200) without the coarser levels' evict-last hint: the misses it saves cost
             # less there than what it keeps in L2. Session 42, tune.py, four runs in alternating orders, µs, with ->
             # without it: H200 detr-encoder 115.5 / 115.3 / 115.4 / 115.3 -> 114.6 / 114.9 / 114.2 / 115.1, -init 107.8
