@@ -21,8 +21,12 @@ AUTO_RING_BYTES = 120 * 1024  # the input rings of all groups together, at most 
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def ceil_div(x: int, k: int) -> int:
+    return (x + k - 1) // k
+
+
 def round_up(x: int, k: int) -> int:
-    return (x + k - 1) // k * k
+    return ceil_div(x, k) * k
 
 
 def tiled_kernel_fits(itemsize: int, head_dim: int, num_levels: int, num_points: int) -> bool:

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .config import ceil_div
+
 try:
     import cutlass
     import cutlass.cute as cute
@@ -134,7 +136,7 @@ class QueryInputs:
         chunk, chunk + T, ... (past the last point: the last, not used)."""
         chunk, T = self.lanes
         out = []
-        for j in range(-(-self.P // T)):
+        for j in range(ceil_div(self.P, T)):
             point = chunk + j * T
             out.append((cutlass.min(point, self.P - 1), point < self.P))
         return out

@@ -34,7 +34,7 @@ except Exception:
     pass
 
 from . import pipeline
-from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig
+from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, round_up
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler, strip_plan
@@ -206,7 +206,7 @@ class MSDAForward:
         # The host plans with cfg.smem_bytes (CTAs an SM, the staging budget, L1's carveout): it must cover
         # what the kernel takes.
         check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
-        num_tiles = cutlass.Int64(N) * M * ((Lq + self.G - 1) // self.G)
+        num_tiles = cutlass.Int64(N) * M * ceil_div(Lq, self.G)
         self.kernel(stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
                     loc_map, pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles,
                     rounds, whole).launch(
@@ -250,7 +250,7 @@ class MSDAForward:
                 cpasync.prefetch_descriptor(loc_atom)
                 cpasync.prefetch_descriptor(attn_atom)
         Lq = mLoc.shape[1]
-        blocks = cutlass.Int64((Lq + self.G - 1) // self.G)
+        blocks = cutlass.Int64(ceil_div(Lq, self.G))
         clusters = cutlass.Int64(cute.arch.grid_dim()[0] // self.cluster)
         strips = None
         level_table = None
@@ -287,7 +287,7 @@ class MSDAForward:
         last_px = None
         for level in cutlass.range_constexpr(self.L - 1, -1, -1):
             H, W = sizes[level]
-            px = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS * STAGE_BOX_PIXELS
+            px = round_up(H * W, STAGE_BOX_PIXELS)
             if cutlass.const_expr(level == self.L - 1):
                 last_px = px
             fits = used + px <= self.stage_pixels
@@ -482,7 +482,7 @@ class MSDAForward:
         D = self.D
         H, W = size
         box = (D, 1, STAGE_BOX_PIXELS, 1)
-        boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+        boxes = ceil_div(H * W, STAGE_BOX_PIXELS)
         for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
             dst = cute.make_tensor(sStaged.iterator + (offset + b * STAGE_BOX_PIXELS) * D, cute.make_layout(box))
             tSs, tSg = self.level_box(stage_atom, stage_tma, dst, start, b, n, m)
@@ -498,7 +498,7 @@ class MSDAForward:
         (its stride-0 dimension writes the copies), issued by lane 0 (a bulk tensor copy is one thread's)."""
         D = self.D
         H, W = size
-        boxes = (H * W + STAGE_BOX_PIXELS - 1) // STAGE_BOX_PIXELS
+        boxes = ceil_div(H * W, STAGE_BOX_PIXELS)
         if cute.arch.lane_idx() == 0:
             desc = cutlass.Pointer(pair_map.get_ptr(), dtype=cutlass.Int64)
             for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
@@ -543,7 +543,7 @@ class MSDAForward:
         for level in cutlass.range_constexpr(self.L):
             if prefetched[level]:
                 H, W = sizes[level]
-                boxes = (H * W + PREFETCH_BOX_PIXELS - 1) // PREFETCH_BOX_PIXELS
+                boxes = ceil_div(H * W, PREFETCH_BOX_PIXELS)
                 for b in cutlass.range(rank, boxes, self.cluster, unroll=1):
                     _, tSg = self.level_box(fetch_atom, fetch_tma, dst, starts[level], b, n, m)
                     with cute.arch.elect_one():  # a tensor prefetch is one thread's instruction

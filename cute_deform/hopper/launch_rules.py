@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import tile_scheduler
-from .config import STAGE_BOX_PIXELS, KernelConfig, round_up
+from .config import STAGE_BOX_PIXELS, KernelConfig, ceil_div, round_up
 
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
 TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
@@ -313,7 +313,7 @@ def static_tuning(tuning: dict) -> dict:
 
 def query_blocks(cfg, Lq: int) -> int:
     """The tiles of one (image, head) segment: blocks of cfg.queries_per_tile queries, the last one partial."""
-    return -(-Lq // cfg.queries_per_tile)
+    return ceil_div(Lq, cfg.queries_per_tile)
 
 
 def schedule_for(cfg, N: int, Lq: int, S: int, grid: int, l2_bytes: int, window_fraction: float,
@@ -331,7 +331,7 @@ def grid_and_schedule(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, win
     """The grid of a launch of the tiled kernel (whole clusters, at most the CTAs the GPU holds at once)
     and its schedule."""
     grid = min(N * cfg.num_heads * query_blocks(cfg, Lq), sms * cfg.ctas_per_sm)
-    grid = -(-grid // cfg.cluster_size) * cfg.cluster_size
+    grid = round_up(grid, cfg.cluster_size)
     return grid, schedule_for(cfg, N, Lq, S, grid, l2_bytes, window, align)
 
 
@@ -342,7 +342,7 @@ def _one_segment_per_cta(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, 
     segments = N * cfg.num_heads
     blocks = query_blocks(cfg, Lq)
     ranges = grid // cfg.cluster_size * schedule.rounds
-    pair_tiles = -(-segments // ranges) * schedule.rounds * blocks / cfg.cluster_size
+    pair_tiles = ceil_div(segments, ranges) * schedule.rounds * blocks / cfg.cluster_size
     single_grid, single_schedule = grid_and_schedule(dataclasses.replace(cfg, cluster_size=1), N, Lq, S, sms,
                                                      l2_bytes, window)
     return segments <= single_grid and single_schedule.whole and blocks <= pair_tiles

@@ -182,16 +182,16 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
     half (KernelConfig.doubles_coarsest): the level holds each pixel row twice in a 128-byte line, and
     this thread reads the copy in half `half` of it."""
     C = bilinear.C
+    copies = 1 if half is None else 2
+    first = base if half is None else base + half  # this thread's copy of pixel 0, in 64-byte rows
     if addresses:
         width = bilinear.value_dtype.width // 8
         row = head_dim * width
         origin = (sStaged.iterator + chunk * C).toint()
         zero = origin + zero_pixel * row
-        pixel_bytes = row
-        if half is not None:
-            pixel_bytes = 2 * row
-            origin = origin + half * row
+        pixel_bytes = copies * row
         row_bytes = W * pixel_bytes
+        start = origin + first * row
 
         def corner_at(top_left, dy: int, dx: int, ok):
             addr = top_left + row_bytes if dy else top_left
@@ -199,21 +199,15 @@ def staged_corners(bilinear: Bilinear, sStaged, base, W, chunk, head_dim: int, z
             return bilinear.load(cute.make_ptr(bilinear.value_dtype, addr, cute.AddressSpace.smem,
                                                assumed_align=C * width))
 
-        if half is None:
-            return (lambda p: origin + (base + p) * pixel_bytes), corner_at
-        return (lambda p: origin + base * row + p * pixel_bytes), corner_at
+        return (lambda p: start + p * pixel_bytes), corner_at
 
-    # Indices of 64-byte rows: one a pixel, or two where doubled.
-    rows = 1 if half is None else 2
-    row_step = W if half is None else 2 * W
+    row_step = copies * W
 
     def corner(top_left, dy: int, dx: int, ok):
-        row = cutlass.select_(ok, top_left + ((row_step if dy else 0) + rows * dx), cutlass.Int32(zero_pixel))
+        row = cutlass.select_(ok, top_left + ((row_step if dy else 0) + copies * dx), cutlass.Int32(zero_pixel))
         return bilinear.load(sStaged.iterator + row * head_dim + chunk * C)
 
-    if half is None:
-        return (lambda p: base + p), corner
-    return (lambda p: base + half + 2 * p), corner
+    return (lambda p: first + copies * p), corner
 
 
 def global_corners(bilinear: Bilinear, value_base, W, pixel_bytes: int, value_dtype, line_prefetch: bool = False,

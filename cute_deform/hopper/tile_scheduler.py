@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import ceil_div
+
 try:
     import cutlass
     import cutlass.cute as cute
@@ -47,7 +49,7 @@ def aligned_rounds(segments: int, clusters: int, blocks: int, min_range: int, to
     min_range tiles."""
     k = 1
     while True:
-        rounds = -(-k * segments // clusters)
+        rounds = ceil_div(k * segments, clusters)
         if blocks * segments < clusters * rounds * min_range:
             return None
         if clusters * rounds <= (1 + tolerance) * k * segments:
@@ -67,7 +69,7 @@ def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_by
     segments = num_tiles // blocks
 
     def whole_fits(ranges):
-        return -(-segments // ranges) * blocks * ranges <= num_tiles + slack * ranges
+        return ceil_div(segments, ranges) * blocks * ranges <= num_tiles + slack * ranges
 
     if align > 0:
         rounds = aligned_rounds(segments, clusters, blocks, min_range, align)
@@ -84,7 +86,7 @@ def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_by
     if window_bytes > 0:
         slices = max(1, window_bytes // max(1, slice_bytes) - 1)
         window_tiles = max(slices * blocks, clusters * min_range)
-        rounds = max(1, -(-num_tiles // window_tiles))
+        rounds = max(1, ceil_div(num_tiles, window_tiles))
     return Schedule(rounds, whole_fits(clusters * rounds))
 
 
