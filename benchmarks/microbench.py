@@ -11,7 +11,7 @@ Sections (all by default, or --sections a,b):
            each launch under a watchdog: a launch that does not finish in --watchdog seconds is reported as a
            hang and the process exits 3. Also checks each result against the float64 reference.
 
-    python scripts/microbench.py [--sections tma,tiles,cluster] [--watchdog 30]
+    python benchmarks/microbench.py [--sections tma,tiles,cluster] [--watchdog 30]
 """
 from __future__ import annotations
 
