@@ -151,5 +151,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 ERROR_BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 if __name__ == "__main__":
-    ext = build(verbose="-v" in sys.argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the CUDA C++ baselines of kernels/ for sm_90a (cached under "
+                                     "build/msda_baselines; needs nvcc).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args()
+    ext = build(verbose=args.verbose)
     print(f"built {ext.__file__} in {ext.build_seconds:.1f} s")

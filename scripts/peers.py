@@ -95,13 +95,20 @@ def dcnv4_inputs_as_seen(sampling_locations, logits, dtype):
 
 
 if __name__ == "__main__":
+    import argparse
     import sys
     import time
 
-    src = dcnv4_source(sys.argv[1] if len(sys.argv) > 1 else None)
+    parser = argparse.ArgumentParser(description="Build DCNv4's forward from its sdist for compare.py's dcnv4 peer "
+                                     "(cached under build/dcnv4).")
+    parser.add_argument("src", nargs="?", help="the extracted DCNv4==1.0.0.post2 sdist (default: $DCNV4_SRC, "
+                        "then .peers/)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show the compiler's output")
+    args = parser.parse_args()
+    src = dcnv4_source(args.src)
     if src is None:
         sys.exit("no DCNv4 source: pass the extracted DCNv4==1.0.0.post2 sdist, set $DCNV4_SRC, or unpack it "
                  "into .peers/")
     t0 = time.time()
-    ext = build_dcnv4(src, verbose="-v" in sys.argv)
+    ext = build_dcnv4(src, verbose=args.verbose)
     print(f"built {ext.__file__} in {time.time() - t0:.1f} s")
