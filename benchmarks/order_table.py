@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import torch
-import triton.testing
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
@@ -26,6 +25,8 @@ from cute_deform.hopper import interface  # noqa: E402
 
 
 def bench(fn) -> float:
+    import triton.testing  # on the GPU machine only
+
     return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median") * 1e3
 
 
