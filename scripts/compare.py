@@ -25,6 +25,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -591,14 +592,23 @@ def write_csv(rows: list[Row], path: str):
                         r.speedup_classic_fp32, r.speedup_dcnv4, r.gsamples, r.tbs, r.floor_us, r.note])
 
 
+PNG_PANEL_INCHES = 4.2
+
+
+def wrapped_title(title: str, panels: int) -> str:
+    """The run's header in lines that fit the figure's width (about 12 characters an inch at 9 points)."""
+    return textwrap.fill(title, width=max(40, int(12 * PNG_PANEL_INCHES * panels)))
+
+
 def write_png(rows: list[Row], path: str, title: str):
+    """A bar chart a preset (log scale, the DRAM floor dashed); returns the matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     presets = list(dict.fromkeys(r.preset for r in rows))
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(presets), figsize=(PNG_PANEL_INCHES * len(presets), PNG_PANEL_INCHES), squeeze=False)
     for ax, preset in zip(axes[0], presets):
         ok = [r for r in rows if r.preset == preset and r.status in TIMED]
         names = [r.impl for r in ok]
@@ -615,10 +625,11 @@ def write_png(rows: list[Row], path: str, title: str):
         ax.set_ylabel("µs (median, log)")
         for b, t in zip(bars, times):
             ax.text(b.get_x() + b.get_width() / 2, t, f"{t:.0f}", ha="center", va="bottom", fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(wrapped_title(title, len(presets)), fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def strip_option(argv, option):

@@ -82,3 +82,25 @@ def test_ncu_dirty_l2_replays_the_whole_script_without_flushing(monkeypatch):
     # The child keeps the L2 mode (it zeroes the 256 MB buffer) and profiles what the parent asked for.
     assert dirty[dirty.index("--ncu-l2") + 1] == "dirty" and dirty[dirty.index("--ncu-child") + 1] == "cute"
     assert "--ncu" not in dirty
+
+
+HEADER = ("device NVIDIA H100 80GB HBM3 (132 SMs), torch 2.11.0+cu130; value fp16, locations fp32; copy bandwidth "
+          "3.00 TB/s (read + write); do_bench median, ms warm-up 25 / rep 100")
+
+
+@pytest.mark.parametrize("panels", [1, 2, 8])
+def test_the_chart_title_wraps_to_the_figure(panels):
+    text = compare.wrapped_title(HEADER, panels)
+    assert text.split() == HEADER.split()  # every word kept, in order
+    assert max(map(len, text.splitlines())) <= max(40, 12 * compare.PNG_PANEL_INCHES * panels)
+    assert len(text.splitlines()) <= {1: 4, 2: 2, 8: 1}[panels]  # a line for the widest figures, a few for one panel
+
+
+def test_the_chart_title_stays_inside_the_image(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [compare.Row("seed-b48-shuffled", "vec", "float16", us=6204.7, floor_us=1044.1),
+            compare.Row("seed-b48-shuffled", "cute", "float16", us=3299.5, floor_us=1044.1)]
+    fig = compare.write_png(rows, str(tmp_path / "chart.png"), HEADER)
+    box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert 0 <= box.x0 and box.x1 <= fig.get_size_inches()[0] * fig.dpi
+    assert (tmp_path / "chart.png").stat().st_size > 0
