@@ -101,6 +101,9 @@ def test_the_chart_title_stays_inside_the_image(tmp_path):
     rows = [compare.Row("seed-b48-shuffled", "vec", "float16", us=6204.7, floor_us=1044.1),
             compare.Row("seed-b48-shuffled", "cute", "float16", us=3299.5, floor_us=1044.1)]
     fig = compare.write_png(rows, str(tmp_path / "chart.png"), HEADER)
-    box = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    from matplotlib.text import Text
+
+    title, = [t for t in fig.findobj(Text) if t.get_text() == compare.wrapped_title(HEADER, 1)]
+    box = title.get_window_extent(fig.canvas.get_renderer())
     assert 0 <= box.x0 and box.x1 <= fig.get_size_inches()[0] * fig.dpi
     assert (tmp_path / "chart.png").stat().st_size > 0

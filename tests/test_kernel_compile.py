@@ -334,20 +334,17 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
     cfg = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     variants = launch_rules.launch_variants(cfg)
     whole = dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True)
+    encoder = dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False, line_prefetch=True,
+                                  coarse_evict_last=True, segment_cost=4, output_evict_first=True, staged_addresses=True,
+                                  stagger_locations=True, doubled_coarsest=True,
+                                  stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
-                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                            line_prefetch=True, coarse_evict_last=True, segment_cost=4,
-                                            output_evict_first=True, staged_addresses=True, stagger_locations=True,
-                                            doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES),
-                        # ... the same on fast DRAM, without the coarser levels' evict-last hint
-                        dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
-                                            line_prefetch=True, segment_cost=4,
-                                            output_evict_first=True, staged_addresses=True, stagger_locations=True,
-                                            doubled_coarsest=True, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES),
+                        encoder,
+                        dataclasses.replace(encoder, coarse_evict_last=False),  # ... on fast DRAM, without the hint
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
