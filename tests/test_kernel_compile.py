@@ -344,8 +344,7 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
                         encoder,
-                        # ... on fast DRAM, without the hint and two samples at once
-                        dataclasses.replace(encoder, coarse_evict_last=False, gather_batch=2),
+                        dataclasses.replace(encoder, coarse_evict_last=False),  # ... on fast DRAM, without the hint
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
                                             line_prefetch=True),
                         dataclasses.replace(cfg, cluster_size=1, num_groups=7, producers=1, split_setup=False,
@@ -720,9 +719,9 @@ def test_staggered_locations_spread_over_the_banks():
 ])
 def test_fast_dram_drops_the_coarse_levels_evict_last_hint_on_the_encoders(dram, value, dropped):
     """On DRAM of at least launch_rules.FAST_DRAM_BYTES_PER_S the fp16 encoders' launch (one round of single CTAs, the
-    locations staggered) leaves out coarse_evict_last and takes two samples' loads at once (v59, v60), and changes
-    nothing else; the launch it picks is precompiled (launch_variants). The decoders, several rounds, a caller's own
-    knobs and a launch without the stagger are untouched."""
+    locations staggered) leaves out coarse_evict_last, and only that; the launch it picks is precompiled
+    (launch_variants). The decoders, several rounds, a caller's own knob and a launch without the stagger are
+    untouched."""
     cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
 
     def launch(N, Lq, dram_bytes, fixed=frozenset()):
@@ -730,18 +729,13 @@ def test_fast_dram_drops_the_coarse_levels_evict_last_hint_on_the_encoders(dram,
                                           frozenset(fixed), None, dram_bytes)[0]
 
     plain, fast = launch(2, 22223, 0), launch(2, 22223, dram)
-    assert plain["coarse_evict_last"] and plain["stagger_locations"] and "gather_batch" not in plain
-    faster = {**{k: v for k, v in plain.items() if k != "coarse_evict_last"}, "gather_batch": 2}
-    assert fast == (faster if dropped else plain)
+    assert plain["coarse_evict_last"] and plain["stagger_locations"]
+    assert fast == ({k: v for k, v in plain.items() if k != "coarse_evict_last"} if dropped else plain)
     assert dataclasses.replace(cfg, **fast) in launch_rules.launch_variants(cfg)
     for N, Lq in ((8, 900), (16, 300), (8, 22223)):  # the decoders, and an encoder over several rounds
         assert launch(N, Lq, dram) == launch(N, Lq, 0)
-    for knob in ("coarse_evict_last", "gather_batch"):  # a caller's knob stays; the other rule still acts
-        own = launch(2, 22223, dram, {knob})
-        assert knob not in own or own[knob] == plain.get(knob)
-        assert own == ({k: v for k, v in faster.items() if k != knob} if dropped else launch(2, 22223, 0, {knob}))
+    assert launch(2, 22223, dram, {"coarse_evict_last"}) == launch(2, 22223, 0, {"coarse_evict_last"})
     assert launch(2, 22223, dram, {"stagger_locations"})["coarse_evict_last"]  # measured with the stagger only
-    assert "gather_batch" not in launch(2, 22223, dram, {"stagger_locations"})
 
 
 def test_doubled_coarsest_level_spreads_over_the_banks():

@@ -458,20 +458,6 @@ def test_doubled_coarsest_level_reads_the_same_points(gen, value_dtype, levels):
     assert_bitwise_the_same_and_within_reference(inputs, (on, off), value_dtype)
 
 
-def test_fast_dram_encoder_launch_reads_the_same_points(gen):
-    """On DRAM of 4 TB/s or more (an H200) detr-encoder's fp16 launch leaves out the coarser levels' evict-last hint and
-    issues two samples' loads at once (v59, v60). That launch, forced on any Hopper GPU, with locations on and past the
-    levels' borders (NaN and inf among them) and inf and NaN among value's pixels: bitwise the output of one sample at a
-    time with the hint, and the finite rest within the bound of float64."""
-    inputs, S = hostile_encoder_inputs(gen, torch.float16)
-    value, shapes, starts, loc, attn = inputs
-    fast = dict(coarse_evict_last=False, gather_batch=launch_rules.FAST_DRAM_GATHER_BATCH)
-    cfg = launched_config(value, loc, attn, None, fast, 2, S, S)
-    assert cfg.staggers_locations and cfg.doubles_coarsest and cfg.gather_batch == 2 and not cfg.coarse_evict_last
-    assert_bitwise_the_same_and_within_reference(inputs, (fast, dict(coarse_evict_last=True, gather_batch=1)),
-                                                 torch.float16)
-
-
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])
 def test_encoder_at_few_levels_issues_two_samples_at_once(gen, levels):
     """An encoder of two or three levels (Mask2Former's pixel decoder has three) runs single CTAs that issue two

@@ -87,8 +87,6 @@ DOUBLED_STAGE_BYTES = 108 * 1024
 # DRAM this fast (the H200's 4.8 TB/s, not the H100's 3.35) makes the coarser levels' evict-last hint lose on the fp16
 # encoders (choose_launch has the measurements).
 FAST_DRAM_BYTES_PER_S = 4 * 10**12
-# Samples whose loads a thread issues at once in the same launch on such DRAM (v60).
-FAST_DRAM_GATHER_BATCH = 2
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
@@ -107,7 +105,7 @@ def launch_variants(cfg) -> list:
     whole segments, to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
     stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
-    without coarse_evict_last and with two samples' loads at once, the launch on fast DRAM),
+    without coarse_evict_last, the launch on fast DRAM),
     strips at up to three levels) where one round of long ranges runs, and to the order table (batched
     gathers) for large problems. (Rarer combinations compile when first met.)"""
     if not isinstance(cfg, KernelConfig) or cfg.fine_gather != "ldg":
@@ -162,10 +160,7 @@ def launch_variants(cfg) -> list:
         if one_round:
             out.append(dataclasses.replace(cfg, **one_round, **single))
         if _fast_dram_drops_evict_last(dataclasses.replace(cfg, **one_round)):  # ... on fast DRAM, without evict-last
-            fast = {**one_round, "coarse_evict_last": False}  # ... and two samples' loads at once
-            if cfg.gather_batch == 1:
-                fast["gather_batch"] = FAST_DRAM_GATHER_BATCH
-            out.append(dataclasses.replace(cfg, **fast, **single))
+            out.append(dataclasses.replace(cfg, **{**one_round, "coarse_evict_last": False}, **single))
         if cfg.num_levels <= 3 and not cfg.permuted:  # ... and the first level in strips
             out.append(dataclasses.replace(cfg, **one_round, **single, strips=True))
         if not cfg.packed_math and not cfg.l1_first:  # fp32 value takes single CTAs over whole segments too, L1 first
@@ -250,9 +245,8 @@ def _stagger_taken(cfg) -> bool:
 
 
 def _fast_dram_drops_evict_last(cfg) -> bool:
-    """Whether one round of single CTAs with cfg (the launch's knobs applied) leaves out coarse_evict_last, and takes
-    FAST_DRAM_GATHER_BATCH samples at once, on DRAM of FAST_DRAM_BYTES_PER_S or more (choose_launch): the staggered
-    locations' launch, fp16 value, where both were measured."""
+    """Whether one round of single CTAs with cfg (the launch's knobs applied) leaves out coarse_evict_last on DRAM of
+    FAST_DRAM_BYTES_PER_S or more (choose_launch): the staggered locations' launch, fp16 value, where it was measured."""
     return cfg.stagger_locations and cfg.value_dtype == "float16"
 
 
@@ -579,15 +573,6 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # and 112.0-113.7 -> 113.1-114.0). dcnv4-test and the Mask2Former encoder (not these launches) tied on
             # both; bf16 was not measured.
             changes.pop("coarse_evict_last", None)
-        if ("gather_batch" not in fixed and dram_bytes_per_s >= FAST_DRAM_BYTES_PER_S
-                and _fast_dram_drops_evict_last(dataclasses.replace(cfg, **changes))):
-            # ... and there two samples' loads at once (v60): the more loads in flight pay on the faster DRAM and cost
-            # on the H100. Session 44, tune.py, seven runs in alternating orders (two calls), µs, the launch -> two at
-            # once: H200 detr-encoder 115.2 / 115.2 / 115.9 / 114.8 / 115.2 / 115.6 / 114.4 -> 114.6 / 114.4 / 114.1 /
-            # 114.0 / 113.9 / 114.7 / 114.2 (-0.8%), -init 106.1 / 106.1 / 107.1 / 106.9 / 107.0 / 107.1 / 106.4 ->
-            # 105.8 / 105.9 / 106.1 / 105.8 / 106.6 / 106.8 / 106.5 (-0.5%); four at once -0.2% / -0.9%. H100 (four runs):
-            # 122.1-122.8 -> 126.8-127.8 and 113.1-114.1 -> 118.4-119.1.
-            changes["gather_batch"] = FAST_DRAM_GATHER_BATCH
     if (long_ranges and not one_round_long and cfg.value_dtype == "float16" and "stagger_locations" not in fixed
             and _stagger_taken(dataclasses.replace(cfg, **changes))):
         # Several rounds of single CTAs over long ranges (batched fp16 encoders): the swizzled location ring alone
