@@ -4,6 +4,7 @@ powers of two or not, up to 1025), M 1 and 8, odd level sizes with H or W = 1, l
 borders and on pixel centres, every variant of the tiled kernel, the generic kernel, and the fused
 kernels (reference points, offsets and logits). Outputs are poisoned before every run. Skipped without a
 Hopper GPU (tests/conftest.py)."""
+import dataclasses
 import itertools
 
 import pytest
@@ -456,6 +457,20 @@ def test_doubled_coarsest_level_reads_the_same_points(gen, value_dtype, levels):
     assert cfg.doubles_coarsest and cfg.stage_bytes == launch_rules.DOUBLED_STAGE_BYTES
     off = dict(doubled_coarsest=False, stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
     assert_bitwise_the_same_and_within_reference(inputs, (on, off), value_dtype)
+
+
+def test_fast_dram_encoder_launch_reads_the_same_points(gen):
+    """On DRAM of 4 TB/s or more (an H200) detr-encoder's fp16 launch leaves out the coarser levels' evict-last hint
+    (v59). That launch, forced on any Hopper GPU, with locations on and past the levels' borders (NaN and inf among them)
+    and inf and NaN among value's pixels: bitwise the output of the launch with the hint, and the finite rest within
+    the bound of float64."""
+    inputs, S = hostile_encoder_inputs(gen, torch.float16)
+    value, shapes, starts, loc, attn = inputs
+    fast, hinted = dict(coarse_evict_last=False), dict(coarse_evict_last=True)
+    cfg = launched_config(value, loc, attn, None, fast, 2, S, S)
+    assert cfg.staggers_locations and cfg.doubles_coarsest and not cfg.coarse_evict_last
+    assert launched_config(value, loc, attn, None, hinted, 2, S, S) == dataclasses.replace(cfg, coarse_evict_last=True)
+    assert_bitwise_the_same_and_within_reference(inputs, (fast, hinted), torch.float16)
 
 
 @pytest.mark.parametrize("levels", [[(64, 64), (32, 32), (16, 16)], [(100, 167), (50, 84)]])
