@@ -639,7 +639,7 @@ class MSDAForward:
         Lq = mLoc.shape[1]
         D = self.D
         sBoxes = storage.box_ring.get_tensor(cute.make_layout(self.cfg.box_ring_elems))
-        per_lane = (self.G + 31) // 32
+        per_lane = ceil_div(self.G, 32)
         for level in cutlass.range_constexpr(self.L):
             if not staged[level]:
                 H, W = sizes[level]

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import ceil_div
+
 try:
     import cutlass
     import cutlass.cute as cute
@@ -34,6 +36,7 @@ ORDER_CELL_ROWS = 6
 ORDER_CELL_COLUMNS_X2 = 5  # a column is 5 / 2 pixels wide
 ORDER_CELLS = 32768  # bands x columns at most: the counts in shared memory (128 KB)
 ORDER_THREADS = 1024
+CELL_THREADS = 256  # the cell kernel's block: a thread a query
 # Queries of one image the kernels take; larger images are sorted by torch (a CTA an image would take long).
 ORDER_MAX_QUERIES = 1 << 18
 
@@ -89,8 +92,9 @@ class QueryOrder:
         self.shared_storage = SharedStorage
         N, Lq = mOrder.shape
         queries = cutlass.Int64(N) * Lq
-        self.cell_kernel(mPositions, mShapes, mCells).launch(grid=[cutlass.Int32((queries + 255) // 256), 1, 1],
-                                                    block=[256, 1, 1], stream=stream)
+        blocks = cutlass.Int32(ceil_div(queries, CELL_THREADS))
+        self.cell_kernel(mPositions, mShapes, mCells).launch(grid=[blocks, 1, 1], block=[CELL_THREADS, 1, 1],
+                                                             stream=stream)
         self.kernel(mCells, mOrder).launch(grid=[N, 1, 1], block=[ORDER_THREADS, 1, 1],
                                            smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -100,7 +104,7 @@ class QueryOrder:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         Lq = mCells.shape[1]
-        i = cutlass.Int64(bidx) * 256 + tidx
+        i = cutlass.Int64(bidx) * CELL_THREADS + tidx
         if i < cutlass.Int64(mCells.shape[0]) * Lq:
             H, W = cutlass.Int64(mShapes[0, 0]), cutlass.Int64(mShapes[0, 1])
             for level in cutlass.range(1, mShapes.shape[0], unroll=1):
