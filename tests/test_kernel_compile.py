@@ -72,10 +72,11 @@ VARIANTS = [
     # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
     ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
                            finest_evict_first=True, early_inputs=True, vector_bytes=8)),
-    # ... with the mid-size levels prefetched to L2 at each segment (detr-decoder's launch).
+    # ... with the mid-size levels prefetched to L2 at each segment and the output rows stored evict-first
+    # (detr-decoder's launch).
     ("half-vectors-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
                                     gather_batch=4, finest_evict_first=True, early_inputs=True, vector_bytes=8,
-                                    prefetch_levels=True)),
+                                    prefetch_levels=True, output_evict_first=True)),
     ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
                                                vector_bytes=8)),
     # Launches through the order table: each sample's weight folded into its corner weights, several samples'
@@ -339,7 +340,9 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                   stagger_locations=True, doubled_coarsest=True,
                                   stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
-                        dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, **whole),
+                        dataclasses.replace(cfg, vector_bytes=8, output_evict_first=True, **whole),
+                        dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True,
+                                            **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
@@ -414,9 +417,11 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments (with 8-byte
-    # vectors and the mid-size levels prefetched to L2), single CTAs take one each of 128
+    # vectors, the mid-size levels prefetched to L2 and the output rows stored evict-first), single CTAs take one
+    # each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
-                                            early_inputs=True, vector_bytes=8, prefetch_levels=True)),
+                                            early_inputs=True, vector_bytes=8, prefetch_levels=True,
+                                            output_evict_first=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
     # a large batch: the order table (two samples' loads at once, whole-line L2 fetches), CTA pairs, rounds of
@@ -855,7 +860,12 @@ def test_launch_choices_follow_the_caller():
     # ... and CTA pairs over several whole segments each (a large batch of decoders), without the L2 prefetch.
     changes, grid, schedule = launch_of(p4, 32, 300, 22223)
     assert schedule.whole and changes.get("cluster_size", 2) == 2 and 32 * 8 > grid // 2
-    assert changes["vector_bytes"] == 8 and "prefetch_levels" not in changes
+    assert changes["vector_bytes"] == 8 and "prefetch_levels" not in changes and "output_evict_first" not in changes
+    # The output rows evict-first in L2: pairs over one segment each with 8-byte vectors, unless the caller fixed it
+    # or the vectors.
+    assert launch_of(p4, 8, 600, 22223)[0]["output_evict_first"]
+    assert "output_evict_first" not in launch_of(p4, 8, 900, 22223, fixed={"output_evict_first"})[0]
+    assert "output_evict_first" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
     # The L2 prefetch: pairs over one segment each, where 4 Lq P corner reads come to half of S.
     assert launch_of(p4, 8, 700, 22223)[0]["prefetch_levels"]
     assert "prefetch_levels" not in launch_of(p4, 8, 600, 22223)[0]

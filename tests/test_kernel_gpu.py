@@ -556,12 +556,14 @@ def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])
 def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
     """detr-decoder's launch (CTA pairs over one whole segment each) prefetches the mid-size level to L2 at
-    each segment: every image within the bound of float64, and bitwise equal to the launch without it."""
+    each segment and stores its output rows evict-first: every image within the bound of float64, and bitwise equal
+    to the launch without either."""
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=8, queries=900)
     cfg = launched_config(value, loc, attn, None, {}, 8, 900, value.shape[1])
-    assert cfg.cluster_size == 2 and cfg.prefetch_levels
-    outs = within_reference((value, shapes, starts, loc, attn), ({}, dict(prefetch_levels=False)))
-    assert torch.equal(outs[0], outs[1])
+    assert cfg.cluster_size == 2 and cfg.prefetch_levels and cfg.output_evict_first
+    outs = within_reference((value, shapes, starts, loc, attn),
+                            ({}, dict(prefetch_levels=False), dict(output_evict_first=False)))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("cluster_size", [1, 2])
