@@ -102,7 +102,8 @@ def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
-    whole segments (CTA pairs over one segment each: 8-byte vectors, output_evict_first, prefetch_levels), to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
+    whole segments (CTA pairs over one segment each also 8-byte vectors, output_evict_first and prefetch_levels),
+    to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
     stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
     without coarse_evict_last, the launch on fast DRAM),
@@ -502,11 +503,11 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     if (schedule.whole and cluster > 1 and N * cfg.num_heads <= grid // cluster
             and changes.get("vector_bytes", cfg.vector_bytes) == 8 and cfg.level_points <= 16
             and _hints_measured(cfg, permuted) and "output_evict_first" not in fixed):
-        # ... and (v61) the output rows stored evict-first in L2, as on the encoders: the stores no longer push out the
-        # rows of the finest level that later samples of the segment read again. Session 45, tune.py, six runs in
-        # alternating orders, µs, means, the launch -> evict-first stores: H100 detr-decoder 57.23 -> 56.97 (6 of 6
-        # pairs), -ref 53.53 -> 53.03 (6 of 6); H200 (session 38, two runs) detr-decoder 46.8 -> 46.7, -ref 44.1 ->
-        # 44.0. Not taken: single CTAs over whole segments (decoder-b16 52.6 / 52.6 -> 53.1 / 52.6, H100).
+        # ... and (v61) the output rows stored evict-first in L2, as on the encoders (the reading, not profiled: the
+        # stores then push out fewer of the value rows that later samples read again). Session 45, tune.py, runs in
+        # alternating orders, µs, means, the launch -> evict-first stores: H100 (six) detr-decoder 57.23 -> 56.97
+        # (6 of 6 pairs), -ref 53.53 -> 53.03 (6 of 6); H200 (four) detr-decoder 47.88 -> 47.48 (4 of 4), -ref tied
+        # (45.00 -> 45.05). Not taken: single CTAs over whole segments (decoder-b16 52.6 / 52.6 -> 53.1 / 52.6, H100).
         changes["output_evict_first"] = True
     # Single CTAs over long ranges (the encoders), and over one round of them: the cache-policy rules' launches.
     long_ranges = changes.get("cluster_size") == 1 and not schedule.whole
