@@ -78,8 +78,9 @@ def plan(num_tiles: int, blocks: int, clusters: int, slice_bytes: int, window_by
             # a segment's start): one round of whole segments would put each cluster on its own images, and
             # `whole` brings in the rules of the decoders' launches.
             return Schedule(rounds, False)
-    # Few segments (decoders): whole segments in one round win (measured 69.7 against 83.5 us with two
-    # rounds on detr-decoder, H100): each cluster stages once and reads each slice alone.
+    # Few segments (decoders): whole segments in one round win (two rounds on detr-decoder, H100: 69.7 against
+    # 83.5 us in session 2; 57.1-57.5 against 66.3-66.4 in session 45, three rounds 63.7): each cluster stages
+    # once and reads each slice alone.
     if whole_fits(clusters):
         return Schedule(1, True)
     rounds = 1
