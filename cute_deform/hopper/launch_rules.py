@@ -487,22 +487,20 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             changes["vector_bytes"] = 8
             grid, schedule = trial_grid, trial_schedule
     cluster = changes.get("cluster_size", cfg.cluster_size)
-    if (schedule.whole and cluster > 1 and N * cfg.num_heads <= grid // cluster
-            and changes.get("vector_bytes", cfg.vector_bytes) == 8 and 8 * Lq * cfg.num_points >= S
-            and _hints_measured(cfg, permuted) and "prefetch_levels" not in fixed):
-        # CTA pairs over one whole segment each, with 8-byte vectors (detr-decoder, -ref): the mid-size levels
-        # prefetched to L2 as the segment starts. The kernel takes a level where its pixels are at most half
-        # the segment's corner reads; the launch asks for it where its samples (4 Lq P corners) come to half of
-        # S (DETR's second level is a fifth of S). Two runs in opposite orders, H100 (session 22): detr-decoder
+    # CTA pairs over one whole segment each, with 8-byte vectors (detr-decoder, -ref): the two rules below.
+    one_segment_pairs = (schedule.whole and cluster > 1 and N * cfg.num_heads <= grid // cluster
+                         and changes.get("vector_bytes", cfg.vector_bytes) == 8 and _hints_measured(cfg, permuted))
+    if one_segment_pairs and 8 * Lq * cfg.num_points >= S and "prefetch_levels" not in fixed:
+        # The mid-size levels prefetched to L2 as the segment starts. The kernel takes a level where its pixels are
+        # at most half the segment's corner reads; the launch asks for it where its samples (4 Lq P corners) come to
+        # half of S (DETR's second level is a fifth of S). Two runs in opposite orders, H100 (session 22): detr-decoder
         # 58.4 / 58.3 -> 57.7 / 57.1 us, -ref 54.4 / 54.4 -> 53.5 / 53.1, N=8 Lq=2000 99.9 / 99.8 -> 97.9 / 97.9;
         # at N=8 Lq=300, where no level qualifies, the kernel with the prefetch code took 32.1 against 31.5.
         # Lost: single CTAs over whole segments (decoder-b16 53.4-53.8 -> 57.9-58.7, N=16 Lq=900 114.5 / 115.6
         # -> 117.9 / 118.2) and pairs over four segments each (N=32 Lq=300 103.5 -> 119.2, every level
         # prefetched in that run); prefetching before the staging's copies lost (detr-decoder 60.4 / 59.7).
         changes["prefetch_levels"] = True
-    if (schedule.whole and cluster > 1 and N * cfg.num_heads <= grid // cluster
-            and changes.get("vector_bytes", cfg.vector_bytes) == 8 and cfg.level_points <= 16
-            and _hints_measured(cfg, permuted) and "output_evict_first" not in fixed):
+    if one_segment_pairs and cfg.level_points <= 16 and "output_evict_first" not in fixed:
         # ... and (v61) the output rows stored evict-first in L2, as on the encoders (the reading, not profiled: the
         # stores then push out fewer of the value rows that later samples read again). Session 45, tune.py, runs in
         # alternating orders, µs, means, the launch -> evict-first stores: H100 (six) detr-decoder 57.23 -> 56.97
