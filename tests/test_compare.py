@@ -107,3 +107,38 @@ def test_the_chart_title_stays_inside_the_image(tmp_path):
     box = title.get_window_extent(fig.canvas.get_renderer())
     assert 0 <= box.x0 and box.x1 <= fig.get_size_inches()[0] * fig.dpi
     assert (tmp_path / "chart.png").stat().st_size > 0
+
+
+class _Blocks:
+    """A stand-in for an implementation that allocates its output: each call gets the next block of `schedule` (as
+    torch's caching allocator would hand it out) and writes 1.0 to all of it but the last element, as a kernel that
+    skips a tile. Every block starts out holding the right answer, as one where an earlier run on the same inputs
+    wrote it."""
+
+    def __init__(self, schedule):
+        self.blocks = {name: torch.ones(4) for name in set(schedule)}
+        self.schedule = list(schedule)
+
+    def __call__(self):
+        block = self.blocks[self.schedule.pop(0)]
+        block[:-1] = 1.0
+        return block
+
+
+@pytest.mark.parametrize("schedule, calls", [("AA", 2), ("ABB", 3)])
+def test_run_poisoned_leaves_nan_where_the_kernel_skipped(schedule, calls):
+    """The output comes back on a block that was filled with NaN before the call that wrote it, so a skipped element
+    shows as NaN, not as a stale right answer; a miss (another block) poisons that block and tries again."""
+    run = _Blocks(schedule)
+    out, poisoned = compare.run_poisoned(run)
+    assert poisoned and not run.schedule, f"{calls} calls"
+    assert torch.equal(out[:-1], torch.ones(3)) and torch.isnan(out[-1])
+
+
+def test_run_poisoned_says_when_no_block_came_back():
+    """Where every call gets a new block, run_poisoned stops after its attempts and says the output is not on
+    poisoned memory (check_impl then reports the row unchecked)."""
+    run = _Blocks("ABCDE")
+    out, poisoned = compare.run_poisoned(run, attempts=4)
+    assert not poisoned and not run.schedule
+    assert out is run.blocks["E"] and out[-1] == 1.0  # the stale value a check could not have told from a right one
