@@ -125,13 +125,14 @@ class _Blocks:
         return block
 
 
-@pytest.mark.parametrize("schedule, calls", [("AA", 2), ("ABB", 3)])
-def test_run_poisoned_leaves_nan_where_the_kernel_skipped(schedule, calls):
+@pytest.mark.parametrize("schedule", ["AA", "ABB"])
+def test_run_poisoned_leaves_nan_where_the_kernel_skipped(schedule):
     """The output comes back on a block that was filled with NaN before the call that wrote it, so a skipped element
-    shows as NaN, not as a stale right answer; a miss (another block) poisons that block and tries again."""
+    shows as NaN, not as a stale right answer; a miss (another block) poisons that block and tries again. Every call
+    of the schedule is made, and no more."""
     run = _Blocks(schedule)
     out, poisoned = compare.run_poisoned(run)
-    assert poisoned and not run.schedule, f"{calls} calls"
+    assert poisoned and not run.schedule
     assert torch.equal(out[:-1], torch.ones(3)) and torch.isnan(out[-1])
 
 
