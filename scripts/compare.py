@@ -459,7 +459,7 @@ def run_poisoned(run, attempts: int = 4):
         out = run()
         if out.data_ptr() in poisoned:
             return out, True
-        out.fill_(float("nan"))
+        out.view(torch.uint8).fill_(0xFF)  # NaN in every float dtype, -1 in the integer ones
         poisoned.add(out.data_ptr())
         del out
     return run(), False

@@ -2,8 +2,13 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import compare  # noqa: E402  (run_poisoned)
 
 
 def raster_cells(xy: torch.Tensor, shapes: torch.Tensor) -> torch.Tensor:
@@ -250,11 +255,14 @@ def finite_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return rel_err(out, ref)
 
 
-def poison_allocator(nbytes: int, device="cuda") -> None:
-    """Leave NaN in the caching allocator's free blocks, so an output the kernel forgets to write
-    comes back as NaN instead of as stale zeros (same idea as tests/test_gpu.py)."""
-    junk = torch.full((nbytes // 4 + 1,), float("nan"), device=device)
-    del junk
+def output_on_nan(run, attempts: int = 4) -> torch.Tensor:
+    """The output of run(), a call that allocates its output, written over memory filled with NaN: an element the
+    kernel forgets to write comes back as NaN, never as a right answer an earlier call left in a reused block.
+    scripts/compare.py's run_poisoned does the work (it retries until the output lands on a block it poisoned);
+    this fails the test where it never does."""
+    out, poisoned = compare.run_poisoned(run, attempts)
+    assert poisoned, "the output never landed on a block filled with NaN: its unwritten elements would pass unseen"
+    return out
 
 
 def first_line(exc: BaseException) -> str:

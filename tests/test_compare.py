@@ -115,8 +115,8 @@ class _Blocks:
     skips a tile. Every block starts out holding the right answer, as one where an earlier run on the same inputs
     wrote it."""
 
-    def __init__(self, schedule):
-        self.blocks = {name: torch.ones(4) for name in set(schedule)}
+    def __init__(self, schedule, dtype=torch.float32):
+        self.blocks = {name: torch.ones(4, dtype=dtype) for name in set(schedule)}
         self.schedule = list(schedule)
 
     def __call__(self):
@@ -143,3 +143,25 @@ def test_run_poisoned_says_when_no_block_came_back():
     out, poisoned = compare.run_poisoned(run, attempts=4)
     assert not poisoned and not run.schedule
     assert out is run.blocks["E"] and out[-1] == 1.0  # the stale value a check could not have told from a right one
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_run_poisoned_fills_every_float_dtype_with_nan(dtype):
+    out, poisoned = compare.run_poisoned(_Blocks("AA", dtype))
+    assert poisoned and torch.isnan(out[-1]) and torch.equal(out[:-1], torch.ones(3, dtype=dtype))
+
+
+def test_run_poisoned_fills_an_integer_output_with_minus_one():
+    """An integer output (the order table) is poisoned with -1, which no index or count of the op can be."""
+    out, poisoned = compare.run_poisoned(_Blocks("ABB", torch.int64))
+    assert poisoned and out[-1] == -1 and torch.equal(out[:-1], torch.ones(3, dtype=torch.int64))
+
+
+def test_the_tests_fail_where_an_output_never_lands_on_poison():
+    """tests/msda_testing.output_on_nan, which every GPU test's output goes through, fails the test where
+    run_poisoned cannot land the output on a poisoned block, instead of checking stale memory."""
+    import msda_testing
+
+    assert torch.isnan(msda_testing.output_on_nan(_Blocks("AA"))[-1])
+    with pytest.raises(AssertionError, match="never landed on a block filled with NaN"):
+        msda_testing.output_on_nan(_Blocks("ABCDE"))

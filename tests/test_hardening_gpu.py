@@ -37,7 +37,7 @@ import torch
 
 from cute_deform import ms_deform_attn_reference
 from msda_testing import (check_or_write_doc_section, finite_rel_err, first_line, level_tensors, make_inputs,
-                          markdown_table, nonfinite_mismatch, poison_allocator, rel_err)
+                          markdown_table, nonfinite_mismatch, output_on_nan, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -72,10 +72,6 @@ def gpu_inputs(gen, device="cuda", **sizes) -> list[torch.Tensor]:
 
 def cuda_generator(gen, device="cuda") -> torch.Generator:
     return torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-
-
-def output_bytes(value, loc) -> int:
-    return loc.shape[0] * loc.shape[1] * value.shape[2] * value.shape[3] * value.element_size()
 
 
 def assert_matches_reference(out, ref, what="output"):
@@ -169,8 +165,7 @@ def test_torch_compile_fullgraph_matches_eager(gen):
         torch._dynamo.reset()
         compiled = torch.compile(module, fullgraph=True)  # fullgraph: a graph break would raise
         compiled_op = torch.compile(attend, fullgraph=True)
-        poison_allocator(BATCH * QUERIES * HEADS * HEAD_DIM * VALUE_DTYPE.itemsize)
-        out = compiled(*inputs)
+        out = output_on_nan(lambda: compiled(*inputs))
         eager = module(*inputs)
         value = module.value(x)
         op_alone = compiled_op(value, shapes, starts, loc, attn)
@@ -203,8 +198,7 @@ def test_side_stream_orders_the_op_after_producers_and_before_consumers(gen):
         torch.randn(value.shape, generator=cuda_gen, out=value)
         torch.rand(loc.shape, generator=cuda_gen, out=loc).mul_(1.4).sub_(0.2)  # some outside every level
         torch.rand(attn.shape, generator=cuda_gen, out=attn)
-        poison_allocator(output_bytes(value, loc))  # the allocator keeps a pool per stream: poison this one's
-        out = op(value, shapes, starts, loc, attn)
+        out = output_on_nan(lambda: op(value, shapes, starts, loc, attn))  # on this stream's pool
         consumed = out.double() * 2  # a later kernel on the same stream reads the op's output
     torch.cuda.synchronize()
     assert_matches_reference(out, reference([value, shapes, starts, loc, attn]))
@@ -316,8 +310,7 @@ def run_value_case(case_id, gen, device) -> tuple[bool, str]:
     if case_id != SANITY:
         VALUE_CASES[case_id].spoil(args, gen)
     args = [t.to(device) for t in args]
-    poison_allocator(output_bytes(args[0], args[3]), device)
-    out = op(*args)
+    out = output_on_nan(lambda: op(*args))
     torch.cuda.synchronize(device)
     ref = reference(args)
     mismatch = nonfinite_mismatch(out, ref, same_kinds=False)
@@ -338,8 +331,7 @@ def run_table_case(case_id, gen, device) -> tuple[bool, str]:
     starts = torch.tensor(case.starts, dtype=torch.int64)
     args = [value.to(device), shapes if case.shapes_on_cpu else shapes.to(device), starts.to(device),
             loc.to(device), attn.to(device)]
-    poison_allocator(output_bytes(value, loc), device)
-    out = op(*args)
+    out = output_on_nan(lambda: op(*args))
     torch.cuda.synchronize(device)  # an out-of-bounds access would surface here
     if level_table_accepts(case.shapes, case.starts, value.shape[1]):
         err = rel_err(out, reference(args)) if torch.isfinite(out).all() else math.inf
@@ -507,8 +499,7 @@ def test_value_beyond_int32_elements(gen):
     loc = torch.rand((batch, queries, HEADS, len(levels), POINTS, 2), generator=cuda_gen, device="cuda")
     loc.mul_(1.4).sub_(0.2)
     attn = torch.rand(loc.shape[:-1], generator=cuda_gen, device="cuda")
-    poison_allocator(output_bytes(value, loc))
-    out = op(value, shapes, starts, loc, attn)
+    out = output_on_nan(lambda: op(value, shapes, starts, loc, attn))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "outputs left unwritten"
     first_past = -(-2**31 // per_image)  # the first image that starts past 2^31 elements
@@ -546,8 +537,7 @@ def test_locations_beyond_int32_elements(gen):
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     value, loc, attn = inputs(batch, queries, cuda_gen)
-    poison_allocator(output_bytes(value, loc))
-    out = op(value, shapes, starts, loc, attn)
+    out = output_on_nan(lambda: op(value, shapes, starts, loc, attn))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "outputs left unwritten"
     # Queries (image, first, last) around where the offsets pass 2^31, and at both ends.
@@ -579,8 +569,7 @@ def test_second_device(gen):
         for buf, t in zip(bufs, src):
             if buf is not t:
                 buf.copy_(t)
-    poison_allocator(output_bytes(src[0], src[3]), device)
-    out = op(*bufs)
+    out = output_on_nan(lambda: op(*bufs))
     assert out.device == device
     torch.cuda.synchronize(device)
     assert_matches_reference(out, reference(src), "cuda:1 from current device cuda:0")
