@@ -165,3 +165,14 @@ def test_the_tests_fail_where_an_output_never_lands_on_poison():
     assert torch.isnan(msda_testing.output_on_nan(_Blocks("AA"))[-1])
     with pytest.raises(AssertionError, match="never landed on a block filled with NaN"):
         msda_testing.output_on_nan(_Blocks("ABCDE"))
+
+
+def test_without_the_caching_allocator_the_tests_run_once_unpoisoned(monkeypatch):
+    """Under PYTORCH_NO_CUDA_MEMORY_CACHING=1 (the sanitizer runs) a freed block is not handed back, so output_on_nan
+    makes one call and poisons nothing."""
+    import msda_testing
+
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+    run = _Blocks("AB")
+    out = msda_testing.output_on_nan(run)
+    assert out is run.blocks["A"] and run.schedule == ["B"] and out[-1] == 1.0
