@@ -72,11 +72,11 @@ VARIANTS = [
     # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
     ("half-vectors", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1, gather_batch=4,
                            finest_evict_first=True, early_inputs=True, vector_bytes=8)),
-    # ... with the mid-size levels prefetched to L2 at each segment and the output rows stored evict-first
-    # (detr-decoder's launch).
+    # ... with the mid-size levels prefetched to L2 at each segment, the output rows stored evict-first and the
+    # tiles dealt to the pair's CTAs in turn (detr-decoder's launch).
     ("half-vectors-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
                                     gather_batch=4, finest_evict_first=True, early_inputs=True, vector_bytes=8,
-                                    prefetch_levels=True, output_evict_first=True)),
+                                    prefetch_levels=True, output_evict_first=True, interleave_ranks=True)),
     ("half-vectors-single-cta-bf16-d64", tiled("bfloat16", "float32", "float32", 8, 4, 4, 64, cluster_size=1,
                                                vector_bytes=8)),
     # Launches through the order table: each sample's weight folded into its corner weights, several samples'
@@ -340,9 +340,10 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                   stagger_locations=True, doubled_coarsest=True,
                                   stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)
     assert variants == [cfg, dataclasses.replace(cfg, **whole), dataclasses.replace(cfg, vector_bytes=8, **whole),
-                        dataclasses.replace(cfg, vector_bytes=8, output_evict_first=True, **whole),
-                        dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True,
+                        dataclasses.replace(cfg, vector_bytes=8, output_evict_first=True, interleave_ranks=True,
                                             **whole),
+                        dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True,
+                                            interleave_ranks=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
@@ -417,11 +418,11 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             line_prefetch=True, coarse_evict_last=True)),
     # decoders: whole segments -> L1 levels first, one producer warp and four samples' loads at once,
     # the finest level's lines evicted from L1 first; CTA pairs split each of 64 segments (with 8-byte
-    # vectors, the mid-size levels prefetched to L2 and the output rows stored evict-first), single CTAs take one
-    # each of 128
+    # vectors, the mid-size levels prefetched to L2, the output rows stored evict-first and the tiles dealt to the
+    # pair's CTAs in turn), single CTAs take one each of 128
     ("detr-decoder", 8, 900, 22223, 4, dict(l1_first=True, producers=1, gather_batch=4, finest_evict_first=True,
                                             early_inputs=True, vector_bytes=8, prefetch_levels=True,
-                                            output_evict_first=True)),
+                                            output_evict_first=True, interleave_ranks=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
                                             finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
     # a large batch: the order table (two samples' loads at once, whole-line L2 fetches), CTA pairs, rounds of

@@ -548,13 +548,15 @@ def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])
 def test_decoder_with_a_level_prefetched_to_l2(gen, levels):
     """detr-decoder's launch (CTA pairs over one whole segment each) prefetches the mid-size level to L2 at
-    each segment and stores its output rows evict-first: every image within the bound of float64, and bitwise equal
-    to the launch without either."""
+    each segment, stores its output rows evict-first and deals the tiles to the pair's CTAs in turn: every image
+    within the bound of float64; bitwise equal to the launch without the prefetch or the policy, and within the
+    bound with the tiles dealt in runs (not bitwise: a tile's group and turn decide its levels' order)."""
     value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=8, queries=900)
     cfg = launched_config(value, loc, attn, None, {}, 8, 900, value.shape[1])
-    assert cfg.cluster_size == 2 and cfg.prefetch_levels and cfg.output_evict_first
+    assert cfg.cluster_size == 2 and cfg.prefetch_levels and cfg.output_evict_first and cfg.interleave_ranks
     outs = within_reference((value, shapes, starts, loc, attn),
-                            ({}, dict(prefetch_levels=False), dict(output_evict_first=False)))
+                            ({}, dict(prefetch_levels=False), dict(output_evict_first=False),
+                             dict(interleave_ranks=False)))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 

@@ -145,6 +145,11 @@ class KernelConfig(ProblemConfig):
     # copy in its query slot's half of the line: the two queries of a quarter warp then never read the same banks
     # (doubles_coarsest says where it can act). A launch rule (launch_rules.choose_launch, which has the measurements).
     doubled_coarsest: bool = False
+    # In a cluster, the tiles of a range go to the CTAs in turn, one at a time (tile k to CTA k % cluster), not in
+    # runs of num_groups: where a segment's last turn of tiles does not fill every group of the cluster, its tiles are
+    # then shared between the CTAs, not left all on the first. A launch rule (launch_rules.choose_launch, which has
+    # the measurements).
+    interleave_ranks: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -84,6 +84,9 @@ class MSDAForward:
         self.groups = config.num_groups
         self.cluster = config.cluster_size
         self.tile_stride = self.groups * self.cluster  # tiles from one of a group's tiles to its next
+        # Within each tile_stride tiles, group g of CTA `rank` takes the tile at rank * groups + g, or with
+        # KernelConfig.interleave_ranks at g * cluster + rank (group_offset).
+        self.group_step = self.cluster if config.interleave_ranks else 1
         self.stage_pixels = config.stage_pixels
         self.boxes = config.fine_gather == "tma"
         self.prefetch = config.prefetch_inputs
@@ -393,13 +396,13 @@ class MSDAForward:
                     if cutlass.const_expr(self.cfg.prefetch_levels):
                         self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, prefetched, n, m, rank)
                 # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
-                first = t + rank * self.groups + p
+                first = t + self.group_offset(rank, p)
                 if cutlass.const_expr(self.early_inputs):
                     # Round 0's first segment: the first `stages` tiles of each group went out early.
                     first = first + cutlass.select_(segment + round_ == 0, self.stages * self.tile_stride, 0)
                 for base in cutlass.range(first, seg_end, self.tile_stride, unroll=1):
                     for j in cutlass.range_constexpr(served):
-                        tile = base + j * producers
+                        tile = base + j * producers * self.group_step
                         if tile < seg_end:
                             q0 = scheduler.first_query(tile, nm, self.G)
                             if cutlass.const_expr(self.prefetch):
@@ -421,6 +424,12 @@ class MSDAForward:
         if p == 0 and segment > 0:
             staging.wait(segment - 1)
 
+    def group_offset(self, rank, g):
+        """Group g of CTA `rank`'s tile among each tile_stride tiles of a range."""
+        if cutlass.const_expr(self.cfg.interleave_ranks):
+            return g * self.cluster + rank
+        return rank * self.groups + g
+
     @cute.jit
     def segment_sync(self, segment):
         """pipeline.segment_sync before every segment; where the first tiles' inputs go out early (the same
@@ -438,7 +447,7 @@ class MSDAForward:
         without round 0 work), and the segment's (image, head) index, image and head."""
         t, t_end = scheduler.range_of(0)
         nm, seg_end, n, m = scheduler.segment_at(t, t_end)
-        tile = t + rank * self.groups + p + j * self.cfg.producer_warps
+        tile = t + self.group_offset(rank, p + j * self.cfg.producer_warps)
         ahead = cutlass.max(seg_end - tile + self.tile_stride - 1, 0) // self.tile_stride
         return tile, cutlass.select_(t < t_end, cutlass.min(ahead, self.stages), 0), nm, n, m
 
@@ -714,7 +723,7 @@ class MSDAForward:
             while t < t_end:
                 nm, seg_end, n, m = scheduler.segment_at(t, t_end)
                 self.segment_sync(segment)
-                first = t + rank * self.groups + g
+                first = t + self.group_offset(rank, g)
                 for tile in cutlass.range(first, seg_end, self.tile_stride, unroll=1):
                     q0 = scheduler.first_query(tile, nm, self.G)
                     # q: the query's place in the tile sequence; qc: the query whose row it reads and writes.

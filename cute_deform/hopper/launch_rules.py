@@ -102,7 +102,8 @@ def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
 def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
-    whole segments (CTA pairs over one segment each also 8-byte vectors, output_evict_first and prefetch_levels),
+    whole segments (CTA pairs over one segment each also 8-byte vectors, output_evict_first, interleave_ranks and
+    prefetch_levels),
     to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
     stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
@@ -129,8 +130,9 @@ def launch_variants(cfg) -> list:
         if cfg.cluster_size > 1 and _half_vectors_measured(cfg, cfg.permuted):  # choose_launch's rules for pairs
             out.append(dataclasses.replace(cfg, vector_bytes=8, **whole))
             # ... over one whole segment each: the output evict-first in L2, and the mid-size levels prefetched
-            out.append(dataclasses.replace(cfg, vector_bytes=8, output_evict_first=True, **whole))
-            out.append(dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True, **whole))
+            pairs = dict(vector_bytes=8, output_evict_first=True, interleave_ranks=True, **whole)
+            out.append(dataclasses.replace(cfg, **pairs))
+            out.append(dataclasses.replace(cfg, prefetch_levels=True, **pairs))
         if cfg.cluster_size > 1:  # whole segments in single CTAs (their first tiles L1-first where groups alternate)
             single = dataclasses.replace(cfg, cluster_size=1, **whole)
             out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
@@ -507,6 +509,13 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         # (6 of 6 pairs), -ref 53.53 -> 53.03 (6 of 6); H200 (four) detr-decoder 47.88 -> 47.48 (4 of 4), -ref tied
         # (45.00 -> 45.05). Not taken: single CTAs over whole segments (decoder-b16 52.6 / 52.6 -> 53.1 / 52.6, H100).
         changes["output_evict_first"] = True
+    if one_segment_pairs and "interleave_ranks" not in fixed:
+        # ... and (v62) the pair takes a segment's tiles in turn, one at a time: of detr-decoder's 57 tiles the first
+        # CTA took 30 and the second 27 (the last turn's seven tiles, five and two); now 29 (one of them four
+        # queries) and 28. Session 47, tune.py, four runs in alternating orders, H100, µs, means: detr-decoder
+        # 57.45 -> 57.08 (3 of 4 pairs), -ref 53.60 -> 52.73 (4 of 4). Lost through the order table, where a CTA's
+        # neighbouring tiles share L1 (seed-b48 3290 / 3289 -> 3313 / 3316, -shuffled +0.7%).
+        changes["interleave_ranks"] = True
     # Single CTAs over long ranges (the encoders), and over one round of them: the cache-policy rules' launches.
     long_ranges = changes.get("cluster_size") == 1 and not schedule.whole
     one_round_long = long_ranges and schedule.rounds == 1
