@@ -512,9 +512,10 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
     if one_segment_pairs and "interleave_ranks" not in fixed:
         # ... and (v62) the pair takes a segment's tiles in turn, one at a time: of detr-decoder's 57 tiles the first
         # CTA took 30 and the second 27 (the last turn's seven tiles, five and two); now 29 (one of them four
-        # queries) and 28. Session 47, tune.py, four runs in alternating orders, H100, µs, means: detr-decoder
-        # 57.45 -> 57.08 (3 of 4 pairs), -ref 53.60 -> 52.73 (4 of 4). Lost through the order table, where a CTA's
-        # neighbouring tiles share L1 (seed-b48 3290 / 3289 -> 3313 / 3316, -shuffled +0.7%).
+        # queries) and 28. Session 47, tune.py, runs in alternating orders, µs, means: H100 (eight) detr-decoder
+        # 57.31 -> 56.89 (6 of 8 pairs), -ref 53.48 -> 52.59 (8 of 8); H200 (three) 47.70 -> 46.80, 44.57 -> 44.03
+        # (3 of 3 each). Lost through the order table, where a CTA's neighbouring tiles share L1 (seed-b48 3290 /
+        # 3289 -> 3313 / 3316, -shuffled +0.7%, H100).
         changes["interleave_ranks"] = True
     # Single CTAs over long ranges (the encoders), and over one round of them: the cache-policy rules' launches.
     long_ranges = changes.get("cluster_size") == 1 and not schedule.whole
