@@ -129,7 +129,8 @@ def launch_variants(cfg) -> list:
         out.append(dataclasses.replace(cfg, **whole))
         if cfg.cluster_size > 1 and _half_vectors_measured(cfg, cfg.permuted):  # choose_launch's rules for pairs
             out.append(dataclasses.replace(cfg, vector_bytes=8, **whole))
-            # ... over one whole segment each: the output evict-first in L2, and the mid-size levels prefetched
+            # ... over one whole segment each: the output evict-first in L2, the tiles dealt to the CTAs in turn, and
+            # the mid-size levels prefetched
             pairs = dict(vector_bytes=8, output_evict_first=True, interleave_ranks=True, **whole)
             out.append(dataclasses.replace(cfg, **pairs))
             out.append(dataclasses.replace(cfg, prefetch_levels=True, **pairs))
