@@ -452,8 +452,9 @@ def run_poisoned(run, attempts: int = 4):
     """(output, whether it was written over poison) of run(), an implementation that allocates its output. torch's
     caching allocator gives a request the smallest free block that fits, so the block a call's output was in, filled
     with 0xFF bytes (NaN in every float dtype) and freed, is where the next call of the same shapes writes; each miss
-    poisons the block it got, and the next attempt lands on it. Without this, a check that follows another run on the same inputs (a tuning sweep)
-    would read that run's correct output from the reused block wherever the kernel skipped a tile."""
+    poisons the block it got, and the next attempt lands on it. Without this, a check that follows another run on the
+    same inputs (a tuning sweep) would read that run's correct output from the reused block wherever the kernel
+    skipped a tile."""
     poisoned = set()
     for _ in range(attempts):
         out = run()

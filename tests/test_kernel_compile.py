@@ -862,11 +862,13 @@ def test_launch_choices_follow_the_caller():
     changes, grid, schedule = launch_of(p4, 32, 300, 22223)
     assert schedule.whole and changes.get("cluster_size", 2) == 2 and 32 * 8 > grid // 2
     assert changes["vector_bytes"] == 8 and "prefetch_levels" not in changes and "output_evict_first" not in changes
-    # The output rows evict-first in L2: pairs over one segment each with 8-byte vectors, unless the caller fixed it
-    # or the vectors.
-    assert launch_of(p4, 8, 600, 22223)[0]["output_evict_first"]
-    assert "output_evict_first" not in launch_of(p4, 8, 900, 22223, fixed={"output_evict_first"})[0]
-    assert "output_evict_first" not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
+    assert "interleave_ranks" not in changes
+    # The output rows evict-first in L2 and the tiles dealt to the pair's CTAs in turn: pairs over one segment each
+    # with 8-byte vectors, unless the caller fixed the knob or the vectors.
+    for knob in ("output_evict_first", "interleave_ranks"):
+        assert launch_of(p4, 8, 600, 22223)[0][knob]
+        assert knob not in launch_of(p4, 8, 900, 22223, fixed={knob})[0]
+        assert knob not in launch_of(p4, 8, 900, 22223, fixed={"vector_bytes"})[0]
     # The L2 prefetch: pairs over one segment each, where 4 Lq P corner reads come to half of S.
     assert launch_of(p4, 8, 700, 22223)[0]["prefetch_levels"]
     assert "prefetch_levels" not in launch_of(p4, 8, 600, 22223)[0]
