@@ -395,7 +395,8 @@ class MSDAForward:
                                       used, doubled, n, m, rank)
                     if cutlass.const_expr(self.cfg.prefetch_levels):
                         self.prefetch_levels(fetch_atom, fetch_tma, sizes, starts, prefetched, n, m, rank)
-                # The tiles of a batch go to groups 0, 1, ... in turn; this warp's come `producers` apart.
+                # The tiles of a batch go to the groups in turn (group_offset); this warp's groups come `producers`
+                # apart, their tiles `producers * group_step`.
                 first = t + self.group_offset(rank, p)
                 if cutlass.const_expr(self.early_inputs):
                     # Round 0's first segment: the first `stages` tiles of each group went out early.
