@@ -307,3 +307,37 @@ def test_doc_sections_are_written_independently(tmp_path):
     check_or_write_doc_section("cpu", "cpu table\n", path=path, write=False)
     with pytest.raises(AssertionError, match="cpu section"):
         check_or_write_doc_section("cpu", "another cpu table\n", path=path, write=False)
+
+
+def test_the_gpu_hostile_rule_frees_the_kind_only_where_inf_weights_meet():
+    """The GPU hostile cases require NaN where a NaN input reaches a sum (the reference with inf weights set to 0
+    is NaN there) and leave the kind free where only inf weights make an output non-finite. The inputs are those
+    of the GPU run whose kernel gave +inf where the reference had NaN (H100, seed 290317586888140466): head
+    (0, 16, 3) meets a +inf weight and a -inf one whose corner sum at channel 11 is 3.7e-5 in float64, within
+    fp16's rounding of zero; summed in half precision it can take either sign, and both products then give +inf."""
+    import test_hardening_gpu as hostile
+    from msda_testing import nonfinite_mismatch
+
+    seed = 290317586888140466
+    gen = hostile.case_generator(seed, "all-at-once")  # the case's own draws, as run_value_case makes them
+    args = hostile.cpu_inputs(gen)
+    hostile.VALUE_CASES["all-at-once"].spoil(args, gen)
+    ref = hostile.reference(args)
+    finite_weights = [*args[:4], torch.where(torch.isinf(args[4]), 0.0, args[4])]
+    nan_at = torch.isnan(hostile.reference(finite_weights))
+    cancelled = torch.isnan(ref) & ~nan_at  # NaN only from opposite inf products
+    assert nan_at.any() and cancelled.any() and bool((nan_at <= torch.isnan(ref)).all())
+    where = (0, 16, 3 * hostile.HEAD_DIM + 11)
+    assert cancelled[where]
+    flipped = ref.clone()
+    flipped[where] = math.inf
+    assert nonfinite_mismatch(flipped, ref, same_kinds=False, nan_at=nan_at) is None
+    assert nonfinite_mismatch(flipped, ref, same_kinds=False) == "an output is +-inf where it must be NaN"
+    # A NaN weight's NaN is still required, and a finite output where the reference is not finite still fails.
+    lost_nan = ref.clone()
+    lost_nan[tuple(nan_at.nonzero()[0].tolist())] = -math.inf
+    assert nonfinite_mismatch(lost_nan, ref, same_kinds=False, nan_at=nan_at) == \
+        "an output is +-inf where it must be NaN"
+    finite = ref.clone()
+    finite[where] = 0.0
+    assert "finite where the reference is not" in nonfinite_mismatch(finite, ref, same_kinds=False, nan_at=nan_at)
