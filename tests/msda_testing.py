@@ -202,8 +202,8 @@ def nonfinite_mismatch(out: torch.Tensor, ref: torch.Tensor, *, same_kinds: bool
     sums the four corners in half precision, where a bilinear weight below half's range is 0 (0 * inf is
     NaN where the original's tiny weight * inf is inf), and a corner sum within half's rounding of zero
     may take either sign (an inf weight then gives the opposite inf, and two inf weights whose products
-    cancel to NaN in float64 may add up to one inf). Callers pass as nan_at where NaN inputs reach a sum:
-    a reference with the inf weights set to 0 is NaN there."""
+    cancel to NaN in float64 may add up to one inf). Callers pass as nan_at the outputs that NaN inputs
+    reach: where a reference with the inf weights set to 0 is NaN."""
     out, ref = out.double(), ref.double()
     finite_out, finite_ref = torch.isfinite(out), torch.isfinite(ref)
     if not torch.equal(finite_out, finite_ref):
