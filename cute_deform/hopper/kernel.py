@@ -27,6 +27,9 @@ try:
     import cutlass.memory
     from cutlass._mlir.dialects import nvvm
     from cutlass.cute.nvgpu import cpasync
+    # TMA goes through cpasync's atoms and cute.copy except where DSL 4.8.1's stable API does not fit (each site
+    # says why): the swizzled location map, the doubled level's stride-0 map, the per-sample box maps patched on
+    # the device, and the order table's row copies.
     from cutlass.experimental import primitives as prims
     from cutlass.experimental.cuda import tensor_map
     from cutlass.tensor_utils import TensorMapManager, TensorMapUpdateMode
@@ -163,7 +166,9 @@ class MSDAForward:
                 swizzle=tensor_map.TensorMapSwizzle.s128b,
             )
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
-        # address and sizes every CTA patches on the device.
+        # address and sizes every CTA patches on the device from the level table, which may live on the GPU (the
+        # host never reads it). cpasync.update_tma_descriptor with cute.copy's tma_desc_ptr could do the same; not
+        # tried: an atom may merge the template's contiguous modes, which a 2x2 box must keep apart.
         box_template = None
         if cutlass.const_expr(self.boxes):
             units = M * D * e // 16
@@ -604,7 +609,8 @@ class MSDAForward:
 
     @cute.jit
     def copy_row(self, tensor, dst, row, per_query: int, full):
-        """Row `row` of an (N*Lq*M, per_query) input to dst in shared memory: one bulk copy."""
+        """Row `row` of an (N*Lq*M, per_query) input to dst in shared memory: one bulk copy. (cute.copy with
+        cpasync.CopyBulkG2SOp drops the evict-first hint and adds a mapa: different PTX, session 48.)"""
         src = row_pointer(tensor, row, per_query, 0, per_query)
         prims.cp_async_bulk_shared_cluster_global(dst, src, full, per_query * (tensor.element_type.width // 8),
                                                   l2_cache_hint=cutlass.Int64(L2_EVICT_FIRST))
