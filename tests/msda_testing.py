@@ -1,6 +1,7 @@
 """Helpers for the tests: random MSDA inputs, a scalar brute-force MSDA, relative error."""
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import sys
@@ -185,11 +186,7 @@ def ms_deform_attn_reference_f64(*args):
 
 
 # --- Hardening tests (tests/test_hardening*.py): non-finite aware comparison, GPU poisoning, and
-# docs/bad_inputs.md, whose sections are generated and checked by different tests. (Imports here:
-# this part was appended to the file.)
-import difflib  # noqa: E402
-import os  # noqa: E402
-from pathlib import Path  # noqa: E402
+# docs/bad_inputs.md, whose sections are generated and checked by different tests.
 
 
 def nonfinite_mismatch(out: torch.Tensor, ref: torch.Tensor, *, same_kinds: bool = True,

@@ -15,7 +15,7 @@ import torch
 
 from cute_deform import ms_deform_attn_reference
 from msda_testing import (EMPTY, REFERENCE, ZEROS, case_outcome, case_table, check_or_write_doc_section, doc_sections,
-                          make_inputs, render_doc, sizes_text, strided_copies)
+                          make_inputs, nonfinite_mismatch, render_doc, sizes_text, strided_copies)
 
 LEVELS = [(3, 4), (2, 2)]  # S = 16
 SIZES = dict(batch=2, queries=3, heads=2, head_dim=4, points=2)
@@ -310,21 +310,19 @@ def test_doc_sections_are_written_independently(tmp_path):
 
 
 def test_the_gpu_hostile_rule_frees_the_kind_only_where_inf_weights_meet():
-    """The GPU hostile cases require NaN where a NaN input reaches a sum (the reference with inf weights set to 0
-    is NaN there) and leave the kind free where only inf weights make an output non-finite. The inputs are those
+    """The GPU hostile cases require NaN where a NaN input reaches a sum (nan_inputs_reach: the reference with inf
+    weights set to 0 is NaN there) and leave the kind free where only inf weights make an output non-finite. The inputs are those
     of the GPU run whose kernel gave +inf where the reference had NaN (H100, seed 290317586888140466): head
     (0, 16, 3) meets a +inf weight and a -inf one whose corner sum at channel 11 is 3.7e-5 in float64, within
     fp16's rounding of zero; summed in half precision it can take either sign, and both products then give +inf."""
     import test_hardening_gpu as hostile
-    from msda_testing import nonfinite_mismatch
 
     seed = 290317586888140466
     gen = hostile.case_generator(seed, "all-at-once")  # the case's own draws, as run_value_case makes them
     args = hostile.cpu_inputs(gen)
     hostile.VALUE_CASES["all-at-once"].spoil(args, gen)
     ref = hostile.reference(args)
-    finite_weights = [*args[:4], torch.where(torch.isinf(args[4]), 0.0, args[4])]
-    nan_at = torch.isnan(hostile.reference(finite_weights))
+    nan_at = hostile.nan_inputs_reach(args)
     cancelled = torch.isnan(ref) & ~nan_at  # NaN only from opposite inf products
     assert nan_at.any() and cancelled.any() and bool((nan_at <= torch.isnan(ref)).all())
     where = (0, 16, 3 * hostile.HEAD_DIM + 11)
