@@ -168,7 +168,8 @@ class MSDAForward:
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
         # address and sizes every CTA patches on the device from the level table, which may live on the GPU (the
         # host never reads it). An atom rewritten by cpasync.update_tma_descriptor, with cute.copy's tma_desc_ptr,
-        # compiled in its place but hung on an H100 (session 48, docs/performance.md).
+        # works but lost 10-11% on detr-decoder's boxes (H100): about 8% the atom's 128-byte L2 promotion, which a
+        # caller cannot turn off, the rest the election around each copy (session 49, docs/performance.md).
         box_template = None
         if cutlass.const_expr(self.boxes):
             units = M * D * e // 16
