@@ -311,10 +311,11 @@ def test_doc_sections_are_written_independently(tmp_path):
 
 def test_the_gpu_hostile_rule_frees_the_kind_only_where_inf_weights_meet():
     """The GPU hostile cases require NaN where a NaN input reaches a sum (nan_inputs_reach: the reference with inf
-    weights set to 0 is NaN there) and leave the kind free where only inf weights make an output non-finite. The inputs are those
-    of the GPU run whose kernel gave +inf where the reference had NaN (H100, seed 290317586888140466): head
-    (0, 16, 3) meets a +inf weight and a -inf one whose corner sum at channel 11 is 3.7e-5 in float64, within
-    fp16's rounding of zero; summed in half precision it can take either sign, and both products then give +inf."""
+    weights set to 0 is NaN there) and leave the kind free where only inf weights make an output non-finite. The
+    inputs are those of the GPU run whose kernel gave +inf where the reference had NaN (H100, seed
+    290317586888140466): head (0, 16, 3) meets a +inf weight and a -inf one whose corner sum at channel 11 is 3.7e-5
+    in float64, within fp16's rounding of zero; summed in half precision it can take either sign, and both products
+    then give +inf."""
     import test_hardening_gpu as hostile
 
     seed = 290317586888140466
