@@ -173,13 +173,21 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
   // each item's share of the bulk words (the last items' shorter or empty): no division in the item loop
   const long bulk_share = (bulk_words + total_items - 1) / total_items;
   const long sink_share = (sink_words + total_items - 1) / total_items;
+  // contig >= 2: the block's items level by level (all items' level a, then all items' level b, ...), so each
+  // level's rows are reused within one pass: 2 = levels in order, 3 = levels 1, 0, 2, ..., 4 = image parity picks
+  // order 2 or 3, 5 = levels rotated by the image (n % gathered levels first)
+  const int gl = gather_levels < L ? gather_levels : L;
+  const int lmode = contig >= 2 && gl > 0 ? contig : 0;
+  const int passes = lmode ? gl : 1;
+  for (int pass = 0; pass < passes; ++pass) {
   for (long bi = b_begin; bi < b_end; bi += b_step) {
     const long item = bi * wpb + warp;
     if (item >= total_items) continue;
+    const bool first_pass = pass == 0, last_pass = pass == passes - 1;
     constexpr int AHEAD = BK == 2 ? 4 : 0;  // bulk words a lane keeps in flight across the item's gathers
     uint4 ahead[AHEAD > 0 ? AHEAD : 1];
     long bulk_lo = 0, bulk_hi = 0;
-    if constexpr (BK > 0) {  // this item's share of the bulk reads
+    if (BK > 0 && first_pass) {  // this item's share of the bulk reads
       bulk_lo = min(item * bulk_share, bulk_words);
       bulk_hi = min(bulk_lo + bulk_share, bulk_words);
 #pragma unroll
@@ -196,18 +204,28 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     const int qt = (int)(r % nqt);
     const int n = (int)(r / nqt);
     const int q = qt * QW + qi;
+    int lpass = -1;  // the one level this pass gathers (lmode), else all
+    if (lmode) {
+      int order = lmode == 4 ? 2 + (n & 1) : lmode;
+      if (order == 2) lpass = pass;
+      else if (order == 3) lpass = pass < 2 && gl >= 2 ? 1 - pass : pass;
+      else lpass = (pass + n) % gl;
+    }
     if (q < Lq && m < M) {
       const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
       // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
+      // (in a level pass only the vectors that hold that level's)
       uint32_t cc[L * P];
 #pragma unroll
       for (int i = 0; i < L * P / 4; ++i) {
-        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(cp) + i);
+        const bool need = lpass < 0 || ((4 * i) / P <= lpass && lpass <= (4 * i + 3) / P);
+        const uint4 c4 = need ? __ldg(reinterpret_cast<const uint4*>(cp) + i) : make_uint4(0, 0, 0, 0);
         cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
       }
 #pragma unroll
       for (int l = 0; l < L; ++l) {
         if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
+        if (lpass >= 0 && l != lpass) continue;
         const int H = lv.H[l], W = lv.W[l];
         const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
 #pragma unroll
@@ -237,7 +255,7 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
         }
       }
     }
-    if constexpr (BK > 0) {
+    if (BK > 0 && first_pass) {
       if constexpr (BK == 3) {
         for (long w = bulk_lo; w < bulk_hi; w += SCRATCH) {
           if (w > bulk_lo) copy_chunk(w, min(bulk_hi - w, (long)SCRATCH));
@@ -249,9 +267,12 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
 #pragma unroll 4
         for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
       }
+    }
+    if (BK > 0 && last_pass) {
       const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
       for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
     }
+  }
   }
   write_warp_xor(out, acc);
 }

@@ -280,7 +280,7 @@ def reference_xor(value, coords, N, Lq, P, levels):
 BULK_FORMS = {1: "bulk after", 2: "bulk 4 ahead", 3: "bulk by TMA"}
 
 
-def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False):
+def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False, level_major=False):
     variants = [(4, 2), (4, 4), (8, 4), (16, 4)] + ([(16, 8)] if P >= 8 else [])
     if quick:
         variants = [(4, 4), (16, 4)]
@@ -300,7 +300,14 @@ def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False):
             out.append(dict(common, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))
             out.append(dict(common, contig=0, grid=sms * b, desc=f"{tag} {b}x256/SM interleaved"))
             out.append(dict(common, contig=1, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous"))
+            for mode, name in LEVEL_MAJOR_FORMS.items() if level_major else ():
+                out.append(dict(common, contig=mode, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous, {name}"))
     return out
+
+
+# contig modes >= 2 of the LDG kernel: contiguous blocks whose items are gathered level by level
+LEVEL_MAJOR_FORMS = {2: "level-major 0,1,..", 3: "level-major 1,0,..", 4: "level-major by image parity",
+                     5: "level-major rotated by image"}
 
 
 def bulk_bytes(shape, gather_levels: int) -> tuple[int, int]:
@@ -359,6 +366,8 @@ def main():
                     help="LDG methods only: each warp item also streams its share of what a kernel that gathers only "
                          "--gather-levels levels must move besides (bulk_bytes)")
     ap.add_argument("--bulk-only", action="store_true", help="--bulk with no gathers at all: the bulk bytes alone")
+    ap.add_argument("--level-major", action="store_true",
+                    help="LDG only: also contiguous blocks that gather their items level by level (reuse within a pass)")
     ap.add_argument("--sort-samples", nargs="?", const="head", choices=("head", "heads"), default=None,
                     help="deal each (image, head, level)'s samples to its queries in address order (sort_samples); "
                          "'heads': each (image, level)'s samples of all heads (sort_samples_across_heads)")
@@ -496,7 +505,8 @@ def main():
                                       c["ncons"], c["grid"], obuf, stream)
 
                 methods = []
-                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, bulk=args.bulk) if "ldg" in which else []:
+                for c in ldg_configs(lib, N, Lq, P, sms, args.quick, bulk=args.bulk,
+                                      level_major=args.level_major) if "ldg" in which else []:
                     methods.append(("LDG", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
                 for c in ldg_configs(lib, N, Lq, P, sms, args.quick, hp=1, bulk=args.bulk) if "pairs" in which else []:
                     methods.append(("LDG-pairs", c, (lambda c=c: run_ldg(c)), c["grid"] * 8))
