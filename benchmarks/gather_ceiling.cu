@@ -173,21 +173,13 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
   // each item's share of the bulk words (the last items' shorter or empty): no division in the item loop
   const long bulk_share = (bulk_words + total_items - 1) / total_items;
   const long sink_share = (sink_words + total_items - 1) / total_items;
-  // contig >= 2: the block's items level by level (all items' level a, then all items' level b, ...), so each
-  // level's rows are reused within one pass: 2 = levels in order, 3 = levels 1, 0, 2, ..., 4 = image parity picks
-  // order 2 or 3, 5 = levels rotated by the image (n % gathered levels first)
-  const int gl = gather_levels < L ? gather_levels : L;
-  const int lmode = contig >= 2 && gl > 0 ? contig : 0;
-  const int passes = lmode ? gl : 1;
-  for (int pass = 0; pass < passes; ++pass) {
   for (long bi = b_begin; bi < b_end; bi += b_step) {
     const long item = bi * wpb + warp;
     if (item >= total_items) continue;
-    const bool first_pass = pass == 0, last_pass = pass == passes - 1;
     constexpr int AHEAD = BK == 2 ? 4 : 0;  // bulk words a lane keeps in flight across the item's gathers
     uint4 ahead[AHEAD > 0 ? AHEAD : 1];
     long bulk_lo = 0, bulk_hi = 0;
-    if (BK > 0 && first_pass) {  // this item's share of the bulk reads
+    if constexpr (BK > 0) {  // this item's share of the bulk reads
       bulk_lo = min(item * bulk_share, bulk_words);
       bulk_hi = min(bulk_lo + bulk_share, bulk_words);
 #pragma unroll
@@ -204,28 +196,18 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     const int qt = (int)(r % nqt);
     const int n = (int)(r / nqt);
     const int q = qt * QW + qi;
-    int lpass = -1;  // the one level this pass gathers (lmode), else all
-    if (lmode) {
-      int order = lmode == 4 ? 2 + (n & 1) : lmode;
-      if (order == 2) lpass = pass;
-      else if (order == 3) lpass = pass < 2 && gl >= 2 ? 1 - pass : pass;
-      else lpass = (pass + n) % gl;
-    }
     if (q < Lq && m < M) {
       const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
       // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
-      // (in a level pass only the vectors that hold that level's)
       uint32_t cc[L * P];
 #pragma unroll
       for (int i = 0; i < L * P / 4; ++i) {
-        const bool need = lpass < 0 || ((4 * i) / P <= lpass && lpass <= (4 * i + 3) / P);
-        const uint4 c4 = need ? __ldg(reinterpret_cast<const uint4*>(cp) + i) : make_uint4(0, 0, 0, 0);
+        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(cp) + i);
         cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
       }
 #pragma unroll
       for (int l = 0; l < L; ++l) {
         if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
-        if (lpass >= 0 && l != lpass) continue;
         const int H = lv.H[l], W = lv.W[l];
         const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
 #pragma unroll
@@ -255,7 +237,7 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
         }
       }
     }
-    if (BK > 0 && first_pass) {
+    if constexpr (BK > 0) {
       if constexpr (BK == 3) {
         for (long w = bulk_lo; w < bulk_hi; w += SCRATCH) {
           if (w > bulk_lo) copy_chunk(w, min(bulk_hi - w, (long)SCRATCH));
@@ -267,12 +249,104 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
 #pragma unroll 4
         for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
       }
-    }
-    if (BK > 0 && last_pass) {
       const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
       for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
     }
   }
+  write_warp_xor(out, acc);
+}
+
+// The LDG kernel's contiguous blocks (contig=1), their items gathered level by level: every item's level a,
+// then every item's level b, ..., so that a level's rows are read again within one pass rather than across the
+// whole launch. order 2: levels in order; 3: levels 1, 0, 2, ...; 4: even images take order 2, odd ones 3;
+// 5: rotated by the image (level (pass + n) % levels first). The bulk words and the sink in the first pass.
+// One head a warp, P a multiple of 4.
+template <int P, int TPQ, int U, int BK>
+__global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
+    const uint4* __restrict__ value, const uint32_t* __restrict__ coords, Levels lv, int N, int Lq, int M, int S,
+    int order, int gather_levels, const uint4* __restrict__ bulk, long bulk_words, uint4* __restrict__ sink,
+    long sink_words, uint32_t* __restrict__ out) {
+  static_assert(BK == 0 || BK == 2, "bulk forms 0 and 2 only");
+  static_assert(P % 4 == 0, "P a multiple of 4");
+  constexpr int QW = 32 / TPQ, CPT = 16 / TPQ, CSTEP = TPQ / 4, UU = U < P ? U : P;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wpb = blockDim.x >> 5;
+  const int qi = lane / TPQ, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
+  const int nqt = (Lq + QW - 1) / QW;
+  const long total_items = (long)N * nqt * M;
+  const long total_bitems = (total_items + wpb - 1) / wpb;
+  const long b_begin = total_bitems * blockIdx.x / gridDim.x, b_end = total_bitems * (blockIdx.x + 1) / gridDim.x;
+  const int ps = M * 4;
+  const int gl = gather_levels < L ? gather_levels : L;
+  const long bulk_share = (bulk_words + total_items - 1) / total_items;
+  const long sink_share = (sink_words + total_items - 1) / total_items;
+  uint32_t acc = 0;
+  for (int pass = 0; pass < gl; ++pass) {
+    for (long bi = b_begin; bi < b_end; ++bi) {
+      const long item = bi * wpb + warp;
+      if (item >= total_items) continue;
+      constexpr int AHEAD = BK == 2 ? 4 : 0;
+      uint4 ahead[AHEAD > 0 ? AHEAD : 1];
+      long bulk_lo = 0, bulk_hi = 0;
+      if (BK > 0 && pass == 0) {
+        bulk_lo = min(item * bulk_share, bulk_words);
+        bulk_hi = min(bulk_lo + bulk_share, bulk_words);
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) {
+          const long w = bulk_lo + lane + 32 * k;
+          ahead[k] = w < bulk_hi ? __ldcs(bulk + w) : make_uint4(0, 0, 0, 0);
+        }
+      }
+      const int m = (int)(item % M);
+      const long r = item / M;
+      const int qt = (int)(r % nqt);
+      const int n = (int)(r / nqt);
+      const int q = qt * QW + qi;
+      const int o = order == 4 ? 2 + (n & 1) : order;
+      const int l = o == 2 ? pass : o == 3 ? (pass < 2 && gl >= 2 ? 1 - pass : pass) : (pass + n) % gl;
+      if (q < Lq) {
+        const uint4* cp = reinterpret_cast<const uint4*>(coords + ((((long)n * Lq + q) * M + m) * L + l) * P);
+        uint32_t cc[P];
+#pragma unroll
+        for (int i = 0; i < P / 4; ++i) {
+          const uint4 c4 = __ldg(cp + i);
+          cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
+        }
+        const int H = sel(lv.H, l), W = sel(lv.W, l);
+        const uint4* vb = value + (((long)n * S + sel(lv.start, l)) * M + m) * 4 + ch;
+#pragma unroll
+        for (int p0 = 0; p0 < P; p0 += UU) {
+          uint4 v[UU][CPT];
+          uint32_t okm[UU][CPT];
+#pragma unroll
+          for (int u = 0; u < UU; ++u) {
+            const uint32_t c = cc[p0 + u];
+            const int x0 = coord_x(c), y0 = coord_y(c);
+#pragma unroll
+            for (int k = 0; k < CPT; ++k) {
+              const int corner = c0 + k * CSTEP;
+              const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
+              const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
+              const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
+              okm[u][k] = ok ? 0xffffffffu : 0u;
+              v[u][k] = __ldg(vb + (yc * W + xc) * ps);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < UU; ++u)
+#pragma unroll
+            for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
+        }
+      }
+      if (BK > 0 && pass == 0) {
+#pragma unroll
+        for (int k = 0; k < AHEAD; ++k) acc ^= xor4(ahead[k]);
+#pragma unroll 4
+        for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
+        const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
+        for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
+      }
+    }
   }
   write_warp_xor(out, acc);
 }
@@ -509,13 +583,16 @@ static Levels levels_of(const int* g) {
   return lv;
 }
 
-// bk: the kernel's bulk form (0: no bulk work)
+// bk: the kernel's bulk form (0: no bulk work); 4 + bulk form: the level-pass kernel (contig = its order)
 static const void* ldg_fn(int P, int tpq, int u, int hp, int bk) {
 #define GC_LDG(p, t, uu, h)                                                                                  \
   if (P == p && tpq == t && u == uu && hp == h) {                                                            \
     const void* forms[4] = {(const void*)ldg_kernel<p, t, uu, h, 0>, (const void*)ldg_kernel<p, t, uu, h, 1>, \
                             (const void*)ldg_kernel<p, t, uu, h, 2>, (const void*)ldg_kernel<p, t, uu, h, 3>}; \
-    return bk >= 0 && bk < 4 ? forms[bk] : nullptr;                                                          \
+    if (bk >= 0 && bk < 4) return forms[bk];                                                                 \
+    if (h == 0 && (p % 4) == 0 && bk == 4) return (const void*)ldg_level_kernel<p, t, uu, 0>;                \
+    if (h == 0 && (p % 4) == 0 && bk == 6) return (const void*)ldg_level_kernel<p, t, uu, 2>;                \
+    return nullptr;                                                                                          \
   }
   GC_LDG(4, 4, 2, 0) GC_LDG(4, 4, 4, 0) GC_LDG(4, 8, 4, 0) GC_LDG(4, 16, 4, 0)
   GC_LDG(8, 4, 2, 0) GC_LDG(8, 4, 4, 0) GC_LDG(8, 8, 4, 0) GC_LDG(8, 16, 4, 0) GC_LDG(8, 16, 8, 0)
@@ -573,7 +650,7 @@ int gc_encode_maps(void* maps_out, const void* value, const int* g) {
 // the TMA bulk form's 16 KB a block of shared memory (nullptr if the variant is missing)
 static const void* ldg_kernel_for(int P, int tpq, int u, int hp, int bk) {
   const void* f = ldg_fn(P, tpq, u, hp, bk);
-  if (f) cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);
+  if (f) cudaFuncSetAttribute(f, cudaFuncAttributePreferredSharedMemoryCarveout, bk == 3 ? 50 : 0);  // 4+: no smem
   return f;
 }
 
