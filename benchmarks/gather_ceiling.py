@@ -49,6 +49,9 @@ Options: --presets a,b  --quick (fewer configurations)  --dry (CPU check of the 
          --bulk-only (the same bulk bytes with no gathers at all: what they take alone)
          --sort-samples (each image's, head's and level's samples dealt to its queries in address order)
          --sort-samples heads (each image's and level's samples of all heads in address order, heads fastest)
+         --level-major (LDG only: also the contiguous blocks with their items gathered level by level, in four
+                 level orders: whether a level's rows read again within one pass, not across the launch, recover
+                 what a few images in flight give; session 50)
 """
 import argparse
 import ctypes
