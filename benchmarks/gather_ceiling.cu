@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
   const long bulk_share = (bulk_words + total_items - 1) / total_items;
   const long sink_share = (sink_words + total_items - 1) / total_items;
   uint32_t acc = 0;
-  for (int pass = 0; pass < gl; ++pass) {
+  const int passes = gl > 0 ? gl : 1;  // no level gathered (--bulk-only): one pass for the bulk alone
+  for (int pass = 0; pass < passes; ++pass) {
     for (long bi = b_begin; bi < b_end; ++bi) {
       const long item = bi * wpb + warp;
       if (item >= total_items) continue;
@@ -303,8 +304,8 @@ __global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
       const int n = (int)(r / nqt);
       const int q = qt * QW + qi;
       const int o = order == 4 ? 2 + (n & 1) : order;
-      const int l = o == 2 ? pass : o == 3 ? (pass < 2 && gl >= 2 ? 1 - pass : pass) : (pass + n) % gl;
-      if (q < Lq) {
+      const int l = o == 2 ? pass : o == 3 ? (pass < 2 && gl >= 2 ? 1 - pass : pass) : (pass + n) % passes;
+      if (q < Lq && gl > 0) {
         const uint4* cp = reinterpret_cast<const uint4*>(coords + ((((long)n * Lq + q) * M + m) * L + l) * P);
         uint32_t cc[P];
 #pragma unroll

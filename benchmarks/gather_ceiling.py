@@ -303,7 +303,7 @@ def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False, level_major=False):
             out.append(dict(common, contig=0, grid=total_blocks, desc=f"{tag} grid=all"))
             out.append(dict(common, contig=0, grid=sms * b, desc=f"{tag} {b}x256/SM interleaved"))
             out.append(dict(common, contig=1, grid=sms * b, desc=f"{tag} {b}x256/SM contiguous"))
-            if level_major and bk in (0, 2) and not hp:  # the level-pass kernel (bk + 4), its own occupancy
+            if level_major and bk in (0, 2) and not hp and P % 4 == 0:  # the level-pass kernel (bk + 4)
                 check(lib, lib.gc_ldg_occupancy(P, tpq, u, hp, bk + 4, ctypes.byref(occ)), "ldg occupancy")
                 for mode, name in LEVEL_MAJOR_FORMS.items():
                     out.append(dict(common, bk=bk + 4, contig=mode, grid=sms * occ.value,
