@@ -94,7 +94,7 @@ def test_bulk_bytes_are_what_a_staging_kernel_moves_besides_its_gathers():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_load_only_kernels_build_with_their_bulk_forms(tmp_path):
     """The .cu builds for sm_90a with every LDG kernel in its four forms (no bulk work, bulk reads after the
-    gathers, four words a lane ahead of them, TMA bulk copies)."""
+    gathers, four words a lane ahead of them, TMA bulk copies), and the level-pass kernel in its two."""
     cubin = tmp_path / "gc.cubin"
     out = subprocess.run([shutil.which("nvcc"), "-std=c++17", "-O3", "-cubin", "-arch=sm_90a", "-o", str(cubin),
                           str(ROOT / "benchmarks" / "gather_ceiling.cu")], capture_output=True, text=True, timeout=600)
@@ -102,6 +102,10 @@ def test_load_only_kernels_build_with_their_bulk_forms(tmp_path):
     elf = cubin.read_bytes()  # the kernels' mangled names are in its symbol table
     for bk in (0, 1, 2, 3):
         assert f"_Z10ldg_kernelILi4ELi4ELi4ELi0ELi{bk}EEv".encode() in elf
+    # --level-major's kernel (items gathered one level a pass), without bulk work and with the bulk four words ahead
+    for tpq in (4, 8, 16):
+        for bk in (0, 2):
+            assert f"_Z16ldg_level_kernelILi4ELi{tpq}ELi4ELi{bk}EEv".encode() in elf
 
 
 def test_sorted_samples_read_the_same_rows_in_address_order():
