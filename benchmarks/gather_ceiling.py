@@ -311,7 +311,7 @@ def ldg_configs(lib, N, Lq, P, sms, quick, hp=0, bulk=False, level_major=False):
     return out
 
 
-# contig modes >= 2 of the LDG kernel: contiguous blocks whose items are gathered level by level
+# The level-pass kernel's level orders (passed as its contig argument): contiguous blocks, items one level a pass
 LEVEL_MAJOR_FORMS = {2: "level-major 0,1,..", 3: "level-major 1,0,..", 4: "level-major by image parity",
                      5: "level-major rotated by image"}
 
