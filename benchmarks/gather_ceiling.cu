@@ -110,6 +110,75 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 // ------------------------------------------------------------------------------------------------------------
 // (a) LDG
 // ------------------------------------------------------------------------------------------------------------
+// K packed coordinates (K a multiple of 4, contiguous and 16-byte aligned) as 16-byte vectors
+template <int K>
+__device__ __forceinline__ void load_coords(uint32_t (&cc)[K], const uint4* cp) {
+#pragma unroll
+  for (int i = 0; i < K / 4; ++i) {
+    const uint4 c4 = __ldg(cp + i);
+    cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
+  }
+}
+// The first AHEAD words (0 or more) of a lane's share [lo, hi) of the bulk, issued before the item's gathers ...
+template <int AHEAD>
+__device__ __forceinline__ void bulk_ahead(uint4* ahead, const uint4* __restrict__ bulk, long lo, long hi, int lane) {
+#pragma unroll
+  for (int k = 0; k < AHEAD; ++k) {
+    const long w = lo + lane + 32 * k;
+    ahead[k] = w < hi ? __ldcs(bulk + w) : make_uint4(0, 0, 0, 0);
+  }
+}
+// ... and the rest of the share after them, all XORed into acc
+template <int AHEAD>
+__device__ __forceinline__ uint32_t bulk_rest(uint32_t acc, const uint4* ahead, const uint4* __restrict__ bulk, long lo,
+                                              long hi, int lane) {
+#pragma unroll
+  for (int k = 0; k < AHEAD; ++k) acc ^= xor4(ahead[k]);
+#pragma unroll 4
+  for (long w = lo + lane + 32 * AHEAD; w < hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
+  return acc;
+}
+// An item's share of the output-sized sink, written (streaming) with the warp's running XOR
+__device__ __forceinline__ void store_sink(uint4* __restrict__ sink, long sink_words, long sink_share, long item,
+                                           int lane, uint32_t acc) {
+  const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
+  for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
+}
+// One level's P samples of one (image, query, head), this thread's corners XORed into acc: loads in batches of UU
+// samples, each unpredicated from the clamped pixel and zeroed afterwards if the corner is outside, so that the
+// compiler keeps all of a batch's loads in flight. vb: the level's first pixel row at this thread's 16 bytes; cc: the
+// level's P packed coordinates; ps: the pixel stride in uint4.
+template <int P, int TPQ, int UU>
+__device__ __forceinline__ uint32_t gather_level(const uint4* __restrict__ vb, const uint32_t* cc, int H, int W,
+                                                 int ps, int c0, uint32_t acc) {
+  constexpr int CPT = 16 / TPQ;     // corners per thread per sample
+  constexpr int CSTEP = TPQ / 4;    // corner stride between a thread's corners
+#pragma unroll
+  for (int p0 = 0; p0 < P; p0 += UU) {
+    uint4 v[UU][CPT];
+    uint32_t okm[UU][CPT];
+#pragma unroll
+    for (int u = 0; u < UU; ++u) {
+      const uint32_t c = cc[p0 + u];
+      const int x0 = coord_x(c), y0 = coord_y(c);
+#pragma unroll
+      for (int k = 0; k < CPT; ++k) {
+        const int corner = c0 + k * CSTEP;
+        const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
+        const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
+        const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
+        okm[u][k] = ok ? 0xffffffffu : 0u;
+        v[u][k] = __ldg(vb + (yc * W + xc) * ps);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UU; ++u)
+#pragma unroll
+      for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
+  }
+  return acc;
+}
+
 // Warp item = (n, query tile of QW queries, m), m fastest; a block of 8 warps takes 8 consecutive warp items
 // (block item). contig=0: block items are spread over blocks grid-stride (neighbouring blocks run
 // neighbouring queries, like a non-persistent launch); contig=1: each block takes a contiguous slice.
@@ -121,8 +190,6 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
                                                   uint32_t* __restrict__ out) {
   constexpr int HPW = HP ? 2 : 1;        // heads per warp
   constexpr int QW = 32 / TPQ / HPW;     // queries per warp
-  constexpr int CPT = 16 / TPQ;          // corners per thread per sample
-  constexpr int CSTEP = TPQ / 4;         // corner stride between a thread's corners
   constexpr int UU = U < P ? U : P;      // samples whose loads are issued together
   static_assert(P % UU == 0, "U must divide P");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -182,11 +249,7 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
     if constexpr (BK > 0) {  // this item's share of the bulk reads
       bulk_lo = min(item * bulk_share, bulk_words);
       bulk_hi = min(bulk_lo + bulk_share, bulk_words);
-#pragma unroll
-      for (int k = 0; k < AHEAD; ++k) {
-        const long w = bulk_lo + lane + 32 * k;
-        ahead[k] = w < bulk_hi ? __ldcs(bulk + w) : make_uint4(0, 0, 0, 0);
-      }
+      bulk_ahead<AHEAD>(ahead, bulk, bulk_lo, bulk_hi, lane);
       if constexpr (BK == 3) {
         if (bulk_hi > bulk_lo) copy_chunk(bulk_lo, min(bulk_hi - bulk_lo, (long)SCRATCH));
       }
@@ -200,41 +263,13 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
       const uint32_t* cp = coords + (((long)n * Lq + q) * M + m) * (L * P);
       // all L*P packed coordinates of this (n, q, m) are contiguous: read them as 16-byte vectors up front
       uint32_t cc[L * P];
-#pragma unroll
-      for (int i = 0; i < L * P / 4; ++i) {
-        const uint4 c4 = __ldg(reinterpret_cast<const uint4*>(cp) + i);
-        cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
-      }
+      load_coords(cc, reinterpret_cast<const uint4*>(cp));
 #pragma unroll
       for (int l = 0; l < L; ++l) {
         if (l >= gather_levels) break;  // the levels a kernel would stage: no loads at all
         const int H = lv.H[l], W = lv.W[l];
         const uint4* vb = value + (((long)n * S + lv.start[l]) * M + m) * 4 + ch;
-#pragma unroll
-        for (int p0 = 0; p0 < P; p0 += UU) {
-          uint4 v[UU][CPT];
-          uint32_t okm[UU][CPT];
-#pragma unroll
-          for (int u = 0; u < UU; ++u) {
-            const uint32_t c = cc[l * P + p0 + u];
-            const int x0 = coord_x(c), y0 = coord_y(c);
-#pragma unroll
-            for (int k = 0; k < CPT; ++k) {
-              const int corner = c0 + k * CSTEP;
-              const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
-              // unpredicated load from the clamped pixel, zeroed afterwards if the corner is outside: lets the
-              // compiler keep all of the batch's loads in flight
-              const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
-              const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
-              okm[u][k] = ok ? 0xffffffffu : 0u;
-              v[u][k] = __ldg(vb + (yc * W + xc) * ps);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < UU; ++u)
-#pragma unroll
-            for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
-        }
+        acc = gather_level<P, TPQ, UU>(vb, cc + l * P, H, W, ps, c0, acc);
       }
     }
     if constexpr (BK > 0) {
@@ -244,13 +279,9 @@ __global__ void __launch_bounds__(256) ldg_kernel(const uint4* __restrict__ valu
           xor_chunk(min(bulk_hi - w, (long)SCRATCH));
         }
       } else {
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) acc ^= xor4(ahead[k]);
-#pragma unroll 4
-        for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
+        acc = bulk_rest<AHEAD>(acc, ahead, bulk, bulk_lo, bulk_hi, lane);
       }
-      const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
-      for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
+      store_sink(sink, sink_words, sink_share, item, lane, acc);
     }
   }
   write_warp_xor(out, acc);
@@ -268,7 +299,7 @@ __global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
     long sink_words, uint32_t* __restrict__ out) {
   static_assert(BK == 0 || BK == 2, "bulk forms 0 and 2 only");
   static_assert(P % 4 == 0, "P a multiple of 4");
-  constexpr int QW = 32 / TPQ, CPT = 16 / TPQ, CSTEP = TPQ / 4, UU = U < P ? U : P;
+  constexpr int QW = 32 / TPQ, UU = U < P ? U : P;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int wpb = blockDim.x >> 5;
   const int qi = lane / TPQ, t = lane % TPQ, ch = t & 3, c0 = t >> 2;
@@ -292,11 +323,7 @@ __global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
       if (BK > 0 && pass == 0) {
         bulk_lo = min(item * bulk_share, bulk_words);
         bulk_hi = min(bulk_lo + bulk_share, bulk_words);
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) {
-          const long w = bulk_lo + lane + 32 * k;
-          ahead[k] = w < bulk_hi ? __ldcs(bulk + w) : make_uint4(0, 0, 0, 0);
-        }
+        bulk_ahead<AHEAD>(ahead, bulk, bulk_lo, bulk_hi, lane);
       }
       const int m = (int)(item % M);
       const long r = item / M;
@@ -308,44 +335,14 @@ __global__ void __launch_bounds__(256, TPQ == 16 ? 3 : 2) ldg_level_kernel(
       if (q < Lq && gl > 0) {
         const uint4* cp = reinterpret_cast<const uint4*>(coords + ((((long)n * Lq + q) * M + m) * L + l) * P);
         uint32_t cc[P];
-#pragma unroll
-        for (int i = 0; i < P / 4; ++i) {
-          const uint4 c4 = __ldg(cp + i);
-          cc[4 * i] = c4.x; cc[4 * i + 1] = c4.y; cc[4 * i + 2] = c4.z; cc[4 * i + 3] = c4.w;
-        }
+        load_coords(cc, cp);
         const int H = sel(lv.H, l), W = sel(lv.W, l);
         const uint4* vb = value + (((long)n * S + sel(lv.start, l)) * M + m) * 4 + ch;
-#pragma unroll
-        for (int p0 = 0; p0 < P; p0 += UU) {
-          uint4 v[UU][CPT];
-          uint32_t okm[UU][CPT];
-#pragma unroll
-          for (int u = 0; u < UU; ++u) {
-            const uint32_t c = cc[p0 + u];
-            const int x0 = coord_x(c), y0 = coord_y(c);
-#pragma unroll
-            for (int k = 0; k < CPT; ++k) {
-              const int corner = c0 + k * CSTEP;
-              const int y = y0 + (corner >> 1), x = x0 + (corner & 1);
-              const bool ok = (unsigned)y < (unsigned)H && (unsigned)x < (unsigned)W;
-              const int yc = min(max(y, 0), H - 1), xc = min(max(x, 0), W - 1);
-              okm[u][k] = ok ? 0xffffffffu : 0u;
-              v[u][k] = __ldg(vb + (yc * W + xc) * ps);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < UU; ++u)
-#pragma unroll
-            for (int k = 0; k < CPT; ++k) acc ^= xor4(v[u][k]) & okm[u][k];
-        }
+        acc = gather_level<P, TPQ, UU>(vb, cc, H, W, ps, c0, acc);
       }
       if (BK > 0 && pass == 0) {
-#pragma unroll
-        for (int k = 0; k < AHEAD; ++k) acc ^= xor4(ahead[k]);
-#pragma unroll 4
-        for (long w = bulk_lo + lane + 32 * AHEAD; w < bulk_hi; w += 32) acc ^= xor4(__ldcs(bulk + w));
-        const long s_lo = min(item * sink_share, sink_words), s_hi = min(s_lo + sink_share, sink_words);
-        for (long w = s_lo + lane; w < s_hi; w += 32) __stcs(sink + w, make_uint4(acc, (uint32_t)w, 0u, 0u));
+        acc = bulk_rest<AHEAD>(acc, ahead, bulk, bulk_lo, bulk_hi, lane);
+        store_sink(sink, sink_words, sink_share, item, lane, acc);
       }
     }
   }
