@@ -102,6 +102,10 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
+    host_levels = None  # the level table where the caller holds it on the host: the launch may read it
+    if spatial_shapes.is_cpu and level_start_index.is_cpu:
+        host_levels = (shapes if shapes is not None else spatial_shapes.tolist(),
+                       starts if starts is not None else level_start_index.tolist())
     # The kernel takes every tensor on value's device (value is not on the CPU here).
     if spatial_shapes.is_cpu or level_start_index.is_cpu:
         spatial_shapes, level_start_index = _level_tables_on(
@@ -118,7 +122,8 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
 
             _hopper = hopper
         # msda_forward makes every input contiguous (and 16-byte aligned) itself.
-        return hopper.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return hopper.msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                                   host_levels=host_levels)
     _warn_slow_path(reason)
     return ms_deform_attn_grid_sample(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,

@@ -14,8 +14,8 @@ run is reported and the script exits non-zero. The table is printed last.
     python scripts/compare.py --csv results/compare.csv --png results/compare.png
 
 Implementations: classic-fp32 (classic on an fp32 copy of value: the paper's kernel at fp32, the speed anchor of
-issue 3), classic, vec, tile2x2, tma, distributed (kernels/), cute (torch.ops.cute_deform.forward) and
-grid_sample (F.grid_sample in fp32, pure PyTorch).
+issue 3), classic, vec, tile2x2, tma, distributed (kernels/), cute (torch.ops.cute_deform.forward, given the level
+table on the host as transformers' models give it) and grid_sample (F.grid_sample in fp32, pure PyTorch).
 """
 from __future__ import annotations
 
@@ -386,7 +386,10 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args, logits=None, d
             if op is None:
                 skipped.append((name, why))
                 continue
-            bound.append(Impl(name, lambda op=op: op(value, spatial_shapes, level_start_index, loc, attn), None,
+            # The level table on the host, as cute_deform's transformers integration passes it: the launch reads it
+            # (launch_rules.choose_launch's levels), with no host sync.
+            host_shapes, host_starts = spatial_shapes.cpu(), level_start_index.cpu()
+            bound.append(Impl(name, lambda op=op: op(value, host_shapes, host_starts, loc, attn), None,
                               value.dtype, poisonable=False,
                               note="allocates its output: poisoned through the allocator (run_poisoned)"))
         elif name == "grid_sample":

@@ -83,7 +83,7 @@ def configs_of(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
 
 def launched_configs(shapes, variants, dtype, loc_dtype=torch.float32) -> set:
     """The configurations the presets' launches run with each variant (launch_rules.launched_config)."""
-    return {launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
+    return {launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=shape.levels)
             for shape, tuning, cfg in _variant_configs(shapes, variants, dtype, loc_dtype)}
 
 
@@ -123,6 +123,8 @@ def main(argv=None):
             seed = int.from_bytes(os.urandom(4), "little")
             (value, shapes_t, starts, loc, attn), _ = compare.make_inputs(
                 shape, dtype, torch.Generator(device="cuda").manual_seed(seed))
+            # The level table as the op reads it from a caller that holds it on the host (transformers' models).
+            host_levels = (shapes_t.tolist(), starts.tolist())
             ref = None
             if not args.no_check:
                 ref, _ = compare.baselines.reference_forward(value[:1], shapes_t, starts, loc[:1], attn[:1])
@@ -130,7 +132,7 @@ def main(argv=None):
                 bar.set_postfix_str(f"{shape.name} {variant_name(tuning)}")
 
                 def run(tuning=tuning):
-                    return interface.msda_forward(value, shapes_t, starts, loc, attn, **tuning)
+                    return interface.msda_forward(value, shapes_t, starts, loc, attn, host_levels=host_levels, **tuning)
 
                 # The output lands on a block filled with NaN (compare.run_poisoned), not on the block where the
                 # variant before wrote the right answer to the same inputs.

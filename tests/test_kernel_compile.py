@@ -345,6 +345,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True,
                                             interleave_ranks=True, **whole),
                         dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
+                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole,
+                                            stage_bytes=launch_rules.WIDE_STAGE_BYTES),  # ... a level more staged
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
                         encoder,
@@ -389,8 +391,9 @@ def test_precompile_covers_every_launch_of_the_presets_and_model_shapes(monkeypa
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
             for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
-                launched = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning)
-                assert launched in launch_rules.launch_variants(cfg), (shape.name, dt, loc_dt)
+                for levels in (None, shape.levels):  # a level table on the device, and on the host
+                    launched = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=levels)
+                    assert launched in launch_rules.launch_variants(cfg), (shape.name, dt, loc_dt, levels)
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
@@ -642,6 +645,52 @@ def test_whole_segments_go_to_single_ctas_only_one_segment_each():
         changes, grid, schedule = launch_of(cfg, N, Lq, 22223)
         assert schedule.whole and (changes.get("cluster_size") == 1) == single, (N, Lq)
     assert "cluster_size" not in launch_of(cfg, 16, 300, 22223, fixed={"cluster_size"})[0]
+
+
+@pytest.mark.parametrize("value", ["float16", "bfloat16"])
+@pytest.mark.parametrize("levels,N,Lq,wide", [
+    (RTDETR, 16, 300, True),  # 40x40 beside 20x20: 2048 pixels, one level more than 96 KB's 1536
+    (RTDETR, 16, 900, True),
+    ([(80, 80), (40, 40), (20, 20), (10, 10)], 16, 300, False),  # 2112 pixels: no level more fits (it lost)
+    (RTDETR, 8, 300, False),  # CTA pairs over one segment each (it lost)
+    (RTDETR, 32, 300, False),  # CTA pairs over two segments each (1%, not taken)
+    (DETR, 16, 300, False),  # decoder-b16: 50x84 does not fit
+])
+def test_single_ctas_over_one_segment_take_a_wider_staging_where_it_stages_one_more_level(value, levels, N, Lq, wide):
+    """Single CTAs over one whole segment each take WIDE_STAGE_BYTES of staging where that stages one more whole level
+    than the default's, which only a level table on the host tells (levels=None: the default stays)."""
+    S = sum(h * w for h, w in levels)
+    cfg = tiled(value, "float32", "float32", 8, len(levels), 4, 32)
+    changes, _, schedule = launch_rules.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], None, "auto",
+                                                      levels=levels)
+    assert schedule.whole
+    assert changes.get("stage_bytes") == (launch_rules.WIDE_STAGE_BYTES if wide else None)
+    launched = dataclasses.replace(cfg, **changes)
+    assert launched in launch_rules.launch_variants(cfg)
+    if wide:
+        assert changes["cluster_size"] == 1
+        assert launch_rules.staged_levels(levels, launched.stage_pixels) == len(levels) - 1
+        without, _, _ = launch_rules.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], None, "auto")
+        assert without == {k: v for k, v in changes.items() if k != "stage_bytes"}
+        fixed, _, _ = launch_rules.choose_launch(cfg, N, Lq, S, H100["sms"], H100["l2_bytes"], None, "auto",
+                                                 frozenset({"stage_bytes"}), levels=levels)
+        assert "stage_bytes" not in fixed
+    # fp32 value and the fused kernel keep theirs (not measured)
+    for other in (tiled("float32", "float32", "float32", 8, len(levels), 4, 32),
+                  tiled(value, value, value, 8, len(levels), 4, 32, fused=True)):
+        assert "stage_bytes" not in launch_rules.choose_launch(other, N, Lq, S, H100["sms"], H100["l2_bytes"], None,
+                                                               "auto", levels=levels)[0]
+
+
+@pytest.mark.parametrize("levels,pixels,count", [
+    (RTDETR, 1536, 1), (RTDETR, 2048, 2), (RTDETR, 448, 1), (RTDETR, 447, 0), (RTDETR, 6400 + 2048, 3),
+    (DETR, 1536, 2), (DETR, 2560, 2), (DETR, 1408, 2), (DETR, 1407, 1),
+    ([(2, 3), (100, 100), (1, 1)], 128, 2),  # a finer level may fit where a coarser one did not
+])
+def test_staged_levels_counts_whole_levels_from_the_coarsest(levels, pixels, count):
+    """launch_rules.staged_levels follows the kernel's staging: whole levels from the coarsest on, each in boxes of
+    STAGE_BOX_PIXELS pixels, taken where it still fits."""
+    assert launch_rules.staged_levels(levels, pixels) == count
 
 
 def _wavefronts(addresses, width):

@@ -549,6 +549,29 @@ def test_decoder_batch_in_single_ctas_takes_its_first_tiles_l1_first(gen):
     within_reference((value, shapes, starts, loc, attn), ({}, dict(l1_first_tile=False)))
 
 
+@pytest.mark.parametrize("value_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("queries", [300, 900])
+def test_decoder_batch_stages_a_level_more_where_the_host_holds_the_level_table(gen, value_dtype, queries):
+    """RT-DETR's levels at N=16 (single CTAs over one whole segment each) with the level table on the host, as
+    transformers' models pass it: the op's launch stages the 40x40 level beside the 20x20 one in a wider buffer
+    (launch_rules.WIDE_STAGE_BYTES). Every image within the bound of float64, outputs poisoned, through the op with
+    the table on the host and as the launch with the default buffer (the table on the device)."""
+    levels = [(80, 80), (40, 40), (20, 20)]
+    value, shapes, starts, loc, attn = decoder_inputs(gen, levels, batch=16, queries=queries, value_dtype=value_dtype)
+    cfg = interface.config_for(value, loc, attn)
+    S = value.shape[1]
+    wide = launch_rules.launched_config(cfg, 16, queries, S, {}, levels=levels)
+    assert wide.stage_bytes == launch_rules.WIDE_STAGE_BYTES and wide.cluster_size == 1
+    assert launch_rules.staged_levels(levels, wide.stage_pixels) == 2
+    assert launch_rules.launched_config(cfg, 16, queries, S, {}).stage_bytes < launch_rules.WIDE_STAGE_BYTES
+    ref = ms_deform_attn_reference(value, shapes, starts, loc, attn, out_dtype=torch.float64)
+    host_shapes, host_starts = shapes.cpu(), starts.cpu()
+    for run in (lambda: torch.ops.cute_deform.forward(value, host_shapes, host_starts, loc, attn),
+                lambda: interface.msda_forward(value, shapes, starts, loc, attn)):
+        out = output_on_nan(run)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= BOUND[value_dtype]
+
+
 @pytest.mark.parametrize("levels", [DETR_LEVELS,
                                     # the prefetched level last in value: its last box runs past S
                                     [(100, 167), (25, 42), (13, 21), (50, 84)]])

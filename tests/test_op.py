@@ -210,6 +210,42 @@ def test_device_copies_of_a_cpu_level_table_are_cached_by_contents(gen):
     assert op._level_tables_on(device, shapes.to(device), starts.to(device))[0].device == device
 
 
+def test_cuda_kernel_hands_a_host_level_table_to_the_launch(gen, monkeypatch):
+    """On Hopper the op hands msda_forward a level table the caller holds on the CPU as the host read it (the launch's
+    staging rule reads it), with the tables themselves as device copies, and None for a table on the device, which the
+    host does not read (meta tensors stand in for CUDA; the Hopper entry point is a stand-in)."""
+    import sys
+    import types
+
+    from cute_deform import op
+
+    seen = []
+    interface = types.ModuleType("cute_deform.hopper.interface")
+
+    def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                     host_levels=None):
+        seen.append((spatial_shapes.device.type, level_start_index.device.type, host_levels))
+        N, _, M, D = value.shape
+        return value.new_empty((N, sampling_locations.shape[1], M * D))
+
+    interface.msda_forward = msda_forward
+    package = types.ModuleType("cute_deform.hopper")
+    package.interface = interface
+    monkeypatch.setitem(sys.modules, "cute_deform.hopper", package)
+    monkeypatch.setitem(sys.modules, "cute_deform.hopper.interface", interface)
+    monkeypatch.setattr(op, "_hopper", None)
+    monkeypatch.setattr(op, "kernel_unavailable_reason", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    args = make_inputs(gen, LEVELS, dtype=torch.float16)
+    meta = [t.to("meta") for t in args]
+    out = op._forward_cuda(*meta)
+    assert out.shape == (2, 5, 12) and out.device.type == "meta"
+    op._forward_cuda(meta[0], args[1], args[2], *meta[3:])
+    read = (args[1].tolist(), args[2].tolist())
+    assert read[0] == [list(level) for level in LEVELS]
+    assert seen == [("meta", "meta", None), ("meta", "meta", read)]
+
+
 def test_kernel_for_other_backends_names_value_device(gen):
     """The kernel the dispatcher runs for tensors of another backend (MPS, XPU, ...) checks the inputs and
     then names value's device; meta tensors stand in for such a backend here (the op itself gives meta

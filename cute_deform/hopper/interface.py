@@ -133,9 +133,12 @@ def _as_table(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device=device, dtype=torch.int64).contiguous()
 
 
-def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, **tuning):
-    """The op's forward on validated CUDA tensors of an sm_90 device."""
-    return _on_device(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, None, tuning)
+def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, host_levels=None,
+                 **tuning):
+    """The op's forward on validated CUDA tensors of an sm_90 device. host_levels: the level table as lists ((H, W)
+    pairs, first pixels) where the caller holds it on the host, else None (launch_rules.choose_launch's levels)."""
+    return _on_device(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, None, tuning,
+                      host_levels)
 
 
 def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
@@ -245,12 +248,13 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
                             _placeholder(device, (1, 1, 16)))
         return out
     strips = _host_strips(cfg, host_levels, Lq)
-    size = (N, Lq, S, window, reorder, strips)
+    levels = None if host_levels is None else tuple(map(tuple, host_levels[0]))
+    size = (N, Lq, S, window, reorder, strips, levels)
     launch = plan.launches.get(size)
     if launch is None:
         changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.sms, plan.l2_bytes, window, reorder,
                                                 frozenset(tuning) if tuning else _NOTHING_FIXED, strips,
-                                                plan.dram_bytes_per_s)
+                                                plan.dram_bytes_per_s, levels)
         runs = plan.variant(value, loc, attn, ref, **changes) if changes else plan
         if len(plan.launches) >= 4096:  # sizes that keep changing must not grow it without bound
             plan.launches.clear()

@@ -87,6 +87,21 @@ DOUBLED_STAGE_BYTES = 108 * 1024
 # DRAM this fast (the H200's 4.8 TB/s, not the H100's 3.35) makes the coarser levels' evict-last hint lose on the fp16
 # encoders (choose_launch has the measurements).
 FAST_DRAM_BYTES_PER_S = 4 * 10**12
+# The staging buffer of single CTAs over one whole segment each where it stages one level more than the default's
+# (RT-DETR's second level, 40x40, beside its third): choose_launch, which needs the level table on the host.
+WIDE_STAGE_BYTES = 128 * 1024
+
+
+def staged_levels(levels, stage_pixels: int) -> int:
+    """How many of the levels ((H, W) pairs) the kernel stages whole in a buffer of stage_pixels pixels a head: from
+    the coarsest on, each that still fits in STAGE_BOX_PIXELS boxes (the kernel's own test, without doubling)."""
+    used = count = 0
+    for H, W in reversed(levels):
+        pixels = round_up(H * W, STAGE_BOX_PIXELS)
+        if used + pixels <= stage_pixels:
+            used += pixels
+            count += 1
+    return count
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
@@ -103,7 +118,7 @@ def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments (CTA pairs over one segment each also 8-byte vectors, output_evict_first, interleave_ranks and
-    prefetch_levels),
+    prefetch_levels; single CTAs over one each also WIDE_STAGE_BYTES of staging),
     to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
     stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
@@ -136,7 +151,10 @@ def launch_variants(cfg) -> list:
             out.append(dataclasses.replace(cfg, prefetch_levels=True, **pairs))
         if cfg.cluster_size > 1:  # whole segments in single CTAs (their first tiles L1-first where groups alternate)
             single = dataclasses.replace(cfg, cluster_size=1, **whole)
-            out.append(dataclasses.replace(single, l1_first_tile=True) if single.alternates else single)
+            single = dataclasses.replace(single, l1_first_tile=True) if single.alternates else single
+            out.append(single)
+            if _hints_measured(cfg, cfg.permuted) and cfg.stage_bytes < WIDE_STAGE_BYTES:  # ... with a wider staging
+                out.append(dataclasses.replace(single, stage_bytes=WIDE_STAGE_BYTES))
     if cfg.cluster_size > 1:
         single = dict(cluster_size=1, **_single_cta(cfg, cfg.permuted))
         first = len(out)
@@ -371,12 +389,14 @@ def _single_cta(cfg, permuted: bool) -> dict:
 
 
 def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window, reorder,
-                  fixed: frozenset = frozenset(), first_level_strips: bool | None = None, dram_bytes_per_s: int = 0):
+                  fixed: frozenset = frozenset(), first_level_strips: bool | None = None, dram_bytes_per_s: int = 0,
+                  levels=None):
     """The static knobs a launch changes from cfg (a dict for dataclasses.replace), its grid and its
     schedule. window: the share of L2 a round may spread over, or None for the launch's default;
     reorder: True, False or "auto"; fixed: the knobs the caller set, which stay; first_level_strips: whether
     the first level's rows are whole tiles (strip_rows), where the caller's level table is on the host, else
-    None; dram_bytes_per_s: the device's DRAM bandwidth, 0 where unknown (taken as an H100's). Several
+    None; dram_bytes_per_s: the device's DRAM bandwidth, 0 where unknown (taken as an H100's); levels: the (H, W)
+    pairs where the caller's level table is on the host, else None (a table on the device is not read). Several
     microseconds of Python: _launch asks once per plan and problem size."""
     changes = {}
     given_window = window
@@ -475,6 +495,21 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # 53.3 / 53.8 / 53.5 -> 52.5 / 52.4 / 52.7 us. Lost on CTA pairs over whole segments (detr-decoder
             # 57.0 / 57.0 / 57.5 -> 58.0 / 58.1 / 57.6) and on the encoders (125.6-126.0 -> 128.7-129.7).
             changes["l1_first_tile"] = True
+        if levels is not None and _hints_measured(cfg, permuted) and "stage_bytes" not in fixed:
+            # ... with a staging buffer of WIDE_STAGE_BYTES where that stages one more whole level (RT-DETR's 40x40
+            # beside its 20x20: the level is nearly all read, and staged it is one stream of boxes, not scattered
+            # misses). Session 51, tune.py, µs, runs in alternating orders, 96 -> 128 KB, H100: rtdetr-decoder (N=16
+            # Lq=300) 38.6 / 37.8 / 38.1 / 38.0 / 37.6 / 38.7 / 37.9 / 38.0 / 38.2 -> 37.5 / 36.5 / 37.5 / 36.7 / 36.8 /
+            # 37.4 / 36.6 / 37.5 / 36.8, RT-DETR's levels at N=16 Lq=900 84.7 / 84.2 / 84.7 / 84.2 / 84.1 -> 79.4 / 79.4
+            # / 79.2 / 78.6 / 78.5. Where no level more fits it lost (80x80-10x10 at N=16 Lq=300 43.4 / 43.5 / 42.6 /
+            # 42.7 / 43.5 -> 44.2 / 44.3 / 44.1 / 44.3 / 43.4: a smaller L1), as 160 KB did everywhere (rtdetr-decoder
+            # 42.6 / 41.9, Lq=900 93.6 / 93.6); CTA pairs lost over one segment each (N=8 Lq=300 23.0 / 24.0 / 23.1 /
+            # 24.0 / 24.0 -> 25.4 / 25.5 / 25.3 / 25.5 / 24.7) and gained 1% over several (N=32, not taken); RT-DETR's
+            # decoder at N=4 (short ranges) tied.
+            now = dataclasses.replace(cfg, **changes)
+            wide = dataclasses.replace(now, stage_bytes=WIDE_STAGE_BYTES)
+            if staged_levels(levels, wide.stage_pixels) > staged_levels(levels, now.stage_pixels):
+                changes["stage_bytes"] = WIDE_STAGE_BYTES
     if (schedule.whole and changes.get("cluster_size", cfg.cluster_size) > 1 and _half_vectors_measured(cfg, permuted)
             and "vector_bytes" not in fixed):
         # CTA pairs over whole segments (detr-decoder, -ref): 8-byte vectors, eight threads a query and 16
@@ -671,11 +706,13 @@ def _segment_cost_fits(N: int, Lq: int, cfg, cost: int) -> bool:
 PLAN_SMS, PLAN_L2_BYTES = 132, 50 << 20
 
 
-def launched_config(cfg, N: int, Lq: int, S: int, tuning: dict, sms: int = PLAN_SMS, l2_bytes: int = PLAN_L2_BYTES):
+def launched_config(cfg, N: int, Lq: int, S: int, tuning: dict, sms: int = PLAN_SMS, l2_bytes: int = PLAN_L2_BYTES,
+                    levels=None):
     """The configuration a launch of cfg (config_for's, from the same tuning) runs on an (N, Lq, S) problem:
-    choose_launch's changes applied."""
+    choose_launch's changes applied (levels: the (H, W) pairs where the caller holds the level table on the host)."""
     if not isinstance(cfg, KernelConfig):
         return cfg
     changes, _, _ = choose_launch(cfg, N, Lq, S, sms, l2_bytes, tuning.get("window_fraction"),
-                                  tuning.get("reorder_queries", "auto"), frozenset(static_tuning(tuning)))
+                                  tuning.get("reorder_queries", "auto"), frozenset(static_tuning(tuning)),
+                                  levels=levels)
     return dataclasses.replace(cfg, **changes)
