@@ -498,14 +498,13 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
         if levels is not None and _hints_measured(cfg, permuted) and "stage_bytes" not in fixed:
             # ... with a staging buffer of WIDE_STAGE_BYTES where that stages one more whole level (RT-DETR's 40x40
             # beside its 20x20: the level is nearly all read, and staged it is one stream of boxes, not scattered
-            # misses). Session 51, tune.py, µs, runs in alternating orders, 96 -> 128 KB, H100: rtdetr-decoder (N=16
-            # Lq=300) 38.6 / 37.8 / 38.1 / 38.0 / 37.6 / 38.7 / 37.9 / 38.0 / 38.2 -> 37.5 / 36.5 / 37.5 / 36.7 / 36.8 /
-            # 37.4 / 36.6 / 37.5 / 36.8, RT-DETR's levels at N=16 Lq=900 84.7 / 84.2 / 84.7 / 84.2 / 84.1 -> 79.4 / 79.4
-            # / 79.2 / 78.6 / 78.5. Where no level more fits it lost (80x80-10x10 at N=16 Lq=300 43.4 / 43.5 / 42.6 /
-            # 42.7 / 43.5 -> 44.2 / 44.3 / 44.1 / 44.3 / 43.4: a smaller L1), as 160 KB did everywhere (rtdetr-decoder
-            # 42.6 / 41.9, Lq=900 93.6 / 93.6); CTA pairs lost over one segment each (N=8 Lq=300 23.0 / 24.0 / 23.1 /
-            # 24.0 / 24.0 -> 25.4 / 25.5 / 25.3 / 25.5 / 24.7) and gained 1% over several (N=32, not taken); RT-DETR's
-            # decoder at N=4 (short ranges) tied.
+            # misses). Session 51, tune.py with the table on the host, runs in alternating orders, µs, means, 96 ->
+            # 128 KB: rtdetr-decoder (N=16 Lq=300) H100 38.28 -> 36.98 (4 of 4), H200 32.23 -> 31.45 (4 of 4);
+            # RT-DETR's levels at N=16 Lq=900 H100 84.45 -> 78.75, H200 71.78 -> 63.98; bf16 (two runs) H100 39.4 ->
+            # 37.4 and 86.9 -> 77.6, H200 33.15 -> 31.75 and 73.75 -> 64.25. The sweep before it (fixed 128 KB, H100):
+            # where no level more fits it lost (80x80-10x10 at N=16 Lq=300 43.1 -> 44.1: a smaller L1), as 160 KB did
+            # everywhere (rtdetr-decoder 42.3, Lq=900 93.6); CTA pairs lost over one segment each (N=8 Lq=300 23.6 ->
+            # 25.3) and gained 1% over several (N=32, not taken); RT-DETR's decoder at N=4 (short ranges) tied.
             now = dataclasses.replace(cfg, **changes)
             wide = dataclasses.replace(now, stage_bytes=WIDE_STAGE_BYTES)
             if staged_levels(levels, wide.stage_pixels) > staged_levels(levels, now.stage_pixels):
