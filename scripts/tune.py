@@ -132,7 +132,8 @@ def main(argv=None):
                 bar.set_postfix_str(f"{shape.name} {variant_name(tuning)}")
 
                 def run(tuning=tuning):
-                    return interface.msda_forward(value, shapes_t, starts, loc, attn, host_levels=host_levels, **tuning)
+                    return interface.msda_forward(value, shapes_t, starts, loc, attn, host_levels=host_levels,
+                                                  **tuning)
 
                 # The output lands on a block filled with NaN (compare.run_poisoned), not on the block where the
                 # variant before wrote the right answer to the same inputs.
