@@ -29,6 +29,23 @@ def round_up(x: int, k: int) -> int:
     return ceil_div(x, k) * k
 
 
+def stage_levels(sizes, stage_pixels: int, zero, select):
+    """Which levels ((H, W) pairs) a staging buffer of stage_pixels pixels a head holds whole, and where: from the
+    coarsest on, each level, in boxes of STAGE_BOX_PIXELS pixels, that still fits (a finer one may fit where a coarser
+    did not). Returns (staged, offsets, used): a flag and a first pixel a level, and the pixels taken. One test for the
+    kernel, on its level table (zero an Int32, select cutlass.select_), and for the host, on a table it holds
+    (launch_rules.staged_levels)."""
+    staged, offsets, used = [None] * len(sizes), [zero] * len(sizes), zero
+    for level in range(len(sizes) - 1, -1, -1):
+        H, W = sizes[level]
+        pixels = round_up(H * W, STAGE_BOX_PIXELS)
+        fits = used + pixels <= stage_pixels
+        staged[level] = fits
+        offsets[level] = used
+        used = used + select(fits, pixels, 0)
+    return staged, offsets, used
+
+
 def tiled_kernel_fits(itemsize: int, head_dim: int, num_levels: int, num_points: int) -> bool:
     """Whether the tiled kernel takes this shape: a query's head is whole 16-byte vectors, at most 128
     of them (the threads of a tile), and few enough levels and points to unroll. The generic kernel

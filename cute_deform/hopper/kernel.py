@@ -37,7 +37,7 @@ except Exception:
     pass
 
 from . import pipeline
-from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, round_up
+from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, round_up, stage_levels
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler, strip_plan
@@ -290,22 +290,11 @@ class MSDAForward:
         if cutlass.const_expr(level_table is None):
             level_table = self.level_table(mShapes, mStarts, mValue.shape[1])
         sizes, starts, levels_ok = level_table
-        staged = [cutlass.Boolean(False)] * self.L
-        offsets = [cutlass.Int32(0)] * self.L
-        used = cutlass.Int32(0)
-        last_px = None
-        for level in cutlass.range_constexpr(self.L - 1, -1, -1):
-            H, W = sizes[level]
-            px = round_up(H * W, STAGE_BOX_PIXELS)
-            if cutlass.const_expr(level == self.L - 1):
-                last_px = px
-            fits = used + px <= self.stage_pixels
-            staged[level] = fits
-            offsets[level] = used
-            used = used + cutlass.select_(fits, px, 0)
+        staged, offsets, used = stage_levels(sizes, self.stage_pixels, cutlass.Int32(0), cutlass.select_)
         # KernelConfig.doubles_coarsest: the last level takes twice its rows where the same levels still fit.
         doubled = cutlass.Boolean(False)
         if cutlass.const_expr(self.cfg.doubles_coarsest):
+            last_px = round_up(sizes[self.L - 1][0] * sizes[self.L - 1][1], STAGE_BOX_PIXELS)
             doubled = staged[self.L - 1] & (used + last_px <= self.stage_pixels)
             extra = cutlass.select_(doubled, last_px, 0)
             for level in cutlass.range_constexpr(self.L - 1):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from . import tile_scheduler
-from .config import STAGE_BOX_PIXELS, KernelConfig, ceil_div, round_up
+from .config import STAGE_BOX_PIXELS, KernelConfig, ceil_div, round_up, stage_levels
 
 # Defaults of the knobs that are not part of the problem (docs/performance.md says where each wins).
 TUNING = dict(fine_gather="ldg", num_groups=0, num_stages=2, stage_bytes=96 * 1024, cluster_size=2)
@@ -93,15 +93,9 @@ WIDE_STAGE_BYTES = 128 * 1024
 
 
 def staged_levels(levels, stage_pixels: int) -> int:
-    """How many of the levels ((H, W) pairs) the kernel stages whole in a buffer of stage_pixels pixels a head: from
-    the coarsest on, each that still fits in STAGE_BOX_PIXELS boxes (the kernel's own test, without doubling)."""
-    used = count = 0
-    for H, W in reversed(levels):
-        pixels = round_up(H * W, STAGE_BOX_PIXELS)
-        if used + pixels <= stage_pixels:
-            used += pixels
-            count += 1
-    return count
+    """How many of the levels ((H, W) pairs) the kernel stages whole in a buffer of stage_pixels pixels a head (its own
+    test, config.stage_levels, without doubling)."""
+    return sum(stage_levels(levels, stage_pixels, 0, lambda fits, pixels, none: pixels if fits else none)[0])
 
 
 def strip_rows(levels, starts, Lq: int, tile: int) -> bool:
