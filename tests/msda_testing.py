@@ -5,6 +5,7 @@ import difflib
 import math
 import os
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -124,6 +125,19 @@ def strided_copies(value, shapes, starts, loc, attn):
         torch.cat([-loc, loc], -1)[..., 2:],  # every other pair of a wider tensor
         attn.transpose(-1, -2).contiguous().transpose(-1, -2),
     ]
+
+
+def stand_in_hopper_interface(monkeypatch, **entry_points) -> types.ModuleType:
+    """Put a module with these entry points where the op imports cute_deform.hopper.interface from (package and
+    module in sys.modules; monkeypatch undoes it), for tests of the ops' CUDA paths on machines without the kernel."""
+    interface = types.ModuleType("cute_deform.hopper.interface")
+    for name, function in entry_points.items():
+        setattr(interface, name, function)
+    package = types.ModuleType("cute_deform.hopper")
+    package.interface = interface
+    monkeypatch.setitem(sys.modules, "cute_deform.hopper", package)
+    monkeypatch.setitem(sys.modules, "cute_deform.hopper.interface", interface)
+    return interface
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -5,7 +5,6 @@ GPU: meta tensors and a stand-in for the Hopper entry point)."""
 import itertools
 import math
 import sys
-import types
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 import cute_deform
 from cute_deform import fused, fused_reference, ms_deform_attn_fused, ms_deform_attn_reference, op
 from msda_testing import (brute_force_msda, draw_nonzero, finite_rel_err, make_fused_inputs, nonfinite_mismatch,
-                          rel_err, unfused_locations_and_weights)
+                          rel_err, stand_in_hopper_interface, unfused_locations_and_weights)
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 LEVELS = [(7, 9), (4, 5), (2, 3), (1, 1)]
@@ -243,7 +242,6 @@ def cuda_kernel(monkeypatch):
     run(args) calls it, set_reason(r) sets what op.kernel_unavailable_reason says, and calls records the
     arguments the stand-in Hopper entry point received."""
     calls = _Calls()
-    interface = types.ModuleType("cute_deform.hopper.interface")
 
     def msda_forward_fused(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                            attention_logits, host_levels=None):
@@ -253,12 +251,8 @@ def cuda_kernel(monkeypatch):
         return value.new_empty((N, reference_points.shape[1], M * D))
 
     tables = []  # the level table each call handed over as read on the host (a CPU table), or None
-    interface.msda_forward_fused = msda_forward_fused
     calls.tables = tables
-    package = types.ModuleType("cute_deform.hopper")
-    package.interface = interface
-    monkeypatch.setitem(sys.modules, "cute_deform.hopper", package)
-    monkeypatch.setitem(sys.modules, "cute_deform.hopper.interface", interface)
+    stand_in_hopper_interface(monkeypatch, msda_forward_fused=msda_forward_fused)
     monkeypatch.setattr(fused, "_hopper_interface", None)
     monkeypatch.setattr(fused, "_hopper_import_error", None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

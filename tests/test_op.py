@@ -7,7 +7,7 @@ import torch
 
 import cute_deform
 from cute_deform import MSDeformAttnFunction, ms_deform_attn, ms_deform_attn_reference
-from msda_testing import draw_nonzero, make_inputs, rel_err, strided_copies
+from msda_testing import draw_nonzero, make_inputs, rel_err, stand_in_hopper_interface, strided_copies
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 # The float64 reference sees the same rounded inputs, so what is left is fp32 arithmetic and, for
@@ -214,13 +214,9 @@ def test_cuda_kernel_hands_a_host_level_table_to_the_launch(gen, monkeypatch):
     """On Hopper the op hands msda_forward a level table the caller holds on the CPU as the host read it (the launch's
     staging rule reads it), with the tables themselves as device copies, and None for a table on the device, which the
     host does not read (meta tensors stand in for CUDA; the Hopper entry point is a stand-in)."""
-    import sys
-    import types
-
     from cute_deform import op
 
     seen = []
-    interface = types.ModuleType("cute_deform.hopper.interface")
 
     def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                      host_levels=None):
@@ -228,11 +224,7 @@ def test_cuda_kernel_hands_a_host_level_table_to_the_launch(gen, monkeypatch):
         N, _, M, D = value.shape
         return value.new_empty((N, sampling_locations.shape[1], M * D))
 
-    interface.msda_forward = msda_forward
-    package = types.ModuleType("cute_deform.hopper")
-    package.interface = interface
-    monkeypatch.setitem(sys.modules, "cute_deform.hopper", package)
-    monkeypatch.setitem(sys.modules, "cute_deform.hopper.interface", interface)
+    stand_in_hopper_interface(monkeypatch, msda_forward=msda_forward)
     monkeypatch.setattr(op, "_hopper", None)
     monkeypatch.setattr(op, "kernel_unavailable_reason", lambda index: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
