@@ -184,8 +184,8 @@ def test_fused_op_with_a_host_level_table_takes_strips_where_they_are_on(gen, le
     expected = fused_reference(*args, out_dtype=torch.float64)
     out = output_on_nan(lambda: run_fused(args))
     assert torch.isfinite(out).all() and rel_err(out, expected) < TOLERANCE[torch.float16]
-    # The launch the op chose, cached by size and the host's reading: (N, Lq, S, window, reorder, strips on, levels).
-    key = (2, S, S, None, "auto", on, tuple(map(tuple, levels)))
+    # The launch the op chose, cached by size and the host's table: (N, Lq, S, window, reorder, table).
+    key = (2, S, S, None, "auto", interface._host_table((shapes.tolist(), starts.tolist())))
     launched = [launch[0].cfg for plan in interface._plans.values() for size, launch in plan.launches.items()
                 if size == key and launch[0].cfg.fused]
     assert len(launched) == 1 and launched[0].strips == on, launched

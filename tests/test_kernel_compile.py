@@ -1050,6 +1050,16 @@ def test_launch_arguments_and_the_per_size_cache(monkeypatch):
     grid = args[9]
     assert cfg.fine_gather == "tma" and args[8].shape == (grid, cfg.map_slots, 16)
 
+    # A level table the caller holds on the host is part of the key (it decides the strips and the staging): the same
+    # size with it is one launch more, planned once.
+    host = (small[1].tolist(), small[2].tolist())
+    before = len(plan.launches)
+    for _ in range(2):
+        interface._launch(*small, None, {}, host)
+    S = small[0].shape[1]
+    assert len(plan.launches) == before + 1
+    assert (2, 900, S, None, "auto", (((92, 160), (46, 80), (23, 40), (12, 20)), tuple(host[1]))) in plan.launches
+
 
 def ranges(num_tiles, blocks, clusters, schedule, segment_cost=0):
     """The tile ranges of the device's TileScheduler.boundary, in exact integers."""

@@ -218,6 +218,12 @@ def _host_strips(cfg, host_levels, Lq: int):
     return None if host_levels is None else strip_rows(*host_levels, Lq, cfg.queries_per_tile)
 
 
+def _host_table(host_levels):
+    """A level table the caller holds on the host ((H, W) pairs, first pixels), as a key of the plan's launches: it
+    decides the strips and the staging (choose_launch); None where the table is on the device."""
+    return None if host_levels is None else (tuple(map(tuple, host_levels[0])), tuple(host_levels[1]))
+
+
 def _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
     N, S, M, D = value.shape
     Lq = loc.shape[1]
@@ -247,14 +253,14 @@ def _launch(value, shapes, starts, loc, attn, ref, tuning, host_levels=None):
             native.register(value, loc, attn, ref, plan.fn, True, grid, 0, 0, _placeholder(device, (1, 1)),
                             _placeholder(device, (1, 1, 16)))
         return out
-    strips = _host_strips(cfg, host_levels, Lq)
-    levels = None if host_levels is None else tuple(map(tuple, host_levels[0]))
-    size = (N, Lq, S, window, reorder, strips, levels)
+    host = _host_table(host_levels)
+    size = (N, Lq, S, window, reorder, host)
     launch = plan.launches.get(size)
     if launch is None:
         changes, grid, schedule = choose_launch(cfg, N, Lq, S, plan.sms, plan.l2_bytes, window, reorder,
-                                                frozenset(tuning) if tuning else _NOTHING_FIXED, strips,
-                                                plan.dram_bytes_per_s, levels)
+                                                frozenset(tuning) if tuning else _NOTHING_FIXED,
+                                                _host_strips(cfg, host, Lq), plan.dram_bytes_per_s,
+                                                None if host is None else host[0])
         runs = plan.variant(value, loc, attn, ref, **changes) if changes else plan
         if len(plan.launches) >= 4096:  # sizes that keep changing must not grow it without bound
             plan.launches.clear()
