@@ -88,15 +88,10 @@ def _forward_fused_cuda(value, spatial_shapes, level_start_index, reference_poin
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
-    host_table = None  # the level table where the caller holds it on the host: the launch may read it
-    if spatial_shapes.is_cpu and level_start_index.is_cpu:
-        host_table = (shapes if shapes is not None else spatial_shapes.tolist(),
-                      starts if starts is not None else level_start_index.tolist())
-    if spatial_shapes.is_cpu or level_start_index.is_cpu:
-        # Cached device copies per distinct table: no copy per call, so CUDA graphs can capture it.
-        spatial_shapes, level_start_index = _op._level_tables_on(
-            value.device, spatial_shapes, level_start_index, shapes, starts
-        )
+    # Cached device copies per distinct table: no copy per call, so CUDA graphs can capture it.
+    spatial_shapes, level_start_index, host_table = _op._tables_for_kernel(
+        value.device, spatial_shapes, level_start_index, shapes, starts
+    )
 
     device_index = value.get_device()
     reason = _op.kernel_unavailable_reason(device_index if device_index >= 0 else torch.cuda.current_device())

@@ -90,6 +90,20 @@ def _level_tables_on(device, spatial_shapes, level_start_index, shapes=None, sta
     return spatial_shapes.to(device, non_blocking=True), level_start_index.to(device, non_blocking=True)
 
 
+def _tables_for_kernel(device, spatial_shapes, level_start_index, shapes=None, starts=None):
+    """(spatial_shapes, level_start_index) on value's device for the kernel (_level_tables_on), and the level table as
+    lists ((H, W) pairs, first pixels) where the caller holds it on the host, which the launch may read, else None.
+    shapes / starts: what the checks read of a CPU table, or None."""
+    host = None
+    if spatial_shapes.is_cpu and level_start_index.is_cpu:
+        host = (shapes if shapes is not None else spatial_shapes.tolist(),
+                starts if starts is not None else level_start_index.tolist())
+        shapes, starts = host
+    if spatial_shapes.is_cpu or level_start_index.is_cpu:
+        spatial_shapes, level_start_index = _level_tables_on(device, spatial_shapes, level_start_index, shapes, starts)
+    return spatial_shapes, level_start_index, host
+
+
 _hopper = None  # cute_deform.hopper.interface once imported (a function-level import costs ~0.2 us a call)
 
 
@@ -102,15 +116,10 @@ def _forward_cuda(value, spatial_shapes, level_start_index, sampling_locations, 
         return value.new_empty((N, Lq, M * D))
     if not (L and P):  # every output is an empty sum
         return value.new_zeros((N, Lq, M * D))
-    host_levels = None  # the level table where the caller holds it on the host: the launch may read it
-    if spatial_shapes.is_cpu and level_start_index.is_cpu:
-        host_levels = (shapes if shapes is not None else spatial_shapes.tolist(),
-                       starts if starts is not None else level_start_index.tolist())
     # The kernel takes every tensor on value's device (value is not on the CPU here).
-    if spatial_shapes.is_cpu or level_start_index.is_cpu:
-        spatial_shapes, level_start_index = _level_tables_on(
-            value.device, spatial_shapes, level_start_index, shapes, starts
-        )
+    spatial_shapes, level_start_index, host_levels = _tables_for_kernel(
+        value.device, spatial_shapes, level_start_index, shapes, starts
+    )
 
     device_index = value.get_device()
     reason = kernel_unavailable_reason(device_index if device_index >= 0 else torch.cuda.current_device())
