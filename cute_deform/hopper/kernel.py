@@ -69,6 +69,16 @@ def finest_level(sizes):
     return best
 
 
+def input_layout(box, swizzled: bool):
+    """A ring stage's layout for one tile's input box. Swizzled (KernelConfig.staggers_locations: 128-byte rows), the
+    atom loads it with TMA's 128-byte swizzle, row q's 16-byte chunk k at chunk k ^ (q % 8), which the consumers read
+    back by hand (inputs.QueryInputs); the swizzle is spelled in bytes (16-byte units, eight of them a row, eight rows),
+    so that the atom keeps one copy a box."""
+    if swizzled:
+        return cute.make_composed_layout(cute.make_swizzle(3, 4, 3), 0, cute.make_layout(box))
+    return cute.make_layout(box)
+
+
 def check_planned_smem(taken: int, planned: int) -> None:
     if taken > planned:
         raise RuntimeError(f"cute_deform: the kernel takes {taken} bytes of shared memory, more than its "
@@ -107,14 +117,15 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     # Host side: TMA atoms, shared storage, launch
     # ------------------------------------------------------------------------------------------------
-    def input_atom(self, tensor: cute.Tensor, per_query: int, row_elems: int):
+    def input_atom(self, tensor: cute.Tensor, per_query: int, row_elems: int, swizzled: bool = False):
         """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
-        box (row_elems, 1, G, 1); rows past Lq, and a row's gap past per_query, are zero filled."""
+        box (row_elems, 1, G, 1); rows past Lq, and a row's gap past per_query, are zero filled; swizzled: into
+        input_layout's swizzled stage."""
         Lq, N = tensor.shape[1], tensor.shape[0]
         rows = cute.make_tensor(tensor.iterator, cute.make_layout(
             (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
         box = (row_elems, 1, self.G, 1)
-        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
+        return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, input_layout(box, swizzled), box)
 
     @cute.jit
     def __call__(
@@ -150,21 +161,10 @@ class MSDAForward:
             fetch_atom, fetch_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), pixels,
                                                                 cute.make_layout(fetch_box), fetch_box)
         if cutlass.const_expr(self.prefetch and not self.permuted):
-            loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems)
+            # KernelConfig.staggers_locations: the location rows land with TMA's 128-byte swizzle (input_layout).
+            loc_atom, loc_tma = self.input_atom(mLoc, 2 * self.LP, self.cfg.loc_row_elems,
+                                                self.cfg.staggers_locations)
             attn_atom, attn_tma = self.input_atom(mAttn, self.LP, self.cfg.attn_row_elems)
-        # KernelConfig.staggers_locations: the location rows as (per_query, M, Lq, N), loaded with TMA's 128-byte
-        # swizzle by a map made here (the DSL's atom split a swizzled box into 8-byte copies).
-        loc_map = None
-        if cutlass.const_expr(self.cfg.staggers_locations):
-            per_query = 2 * self.LP
-            loc_map = tensor_map.create_tensor_map_tiled(
-                global_address=mLoc.iterator.toint(),
-                dtype=cutlass.Float32,
-                global_dims=[per_query, M, Lq, N],
-                global_strides=[per_query // 4, M * per_query // 4, mLoc.stride[0] // 4],
-                box_dims=[per_query, 1, self.G, 1],
-                swizzle=tensor_map.TensorMapSwizzle.s128b,
-            )
         # Per-sample boxes: a template over one level as (D, M, W, H, N), box (D, 1, 2, 2, 1), whose
         # address and sizes every CTA patches on the device from the level table, which may live on the GPU (the
         # host never reads it). An atom rewritten by cpasync.update_tma_descriptor, with cute.copy's tma_desc_ptr,
@@ -217,7 +217,7 @@ class MSDAForward:
         check_planned_smem(SharedStorage.size_in_bytes(), cfg.smem_bytes)
         num_tiles = cutlass.Int64(N) * M * ceil_div(Lq, self.G)
         self.kernel(stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma, box_template,
-                    loc_map, pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles,
+                    pair_map, mValue, mShapes, mStarts, mLoc, mAttn, mRef, mOrder, mOut, mDesc, num_tiles,
                     rounds, whole).launch(
             grid=[grid_size, 1, 1],
             block=[self.threads, 1, 1],
@@ -232,7 +232,6 @@ class MSDAForward:
     @cute.kernel
     def kernel(self, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
                box_template: cutlass.GridConstant[tensor_map.TensorMap],
-               loc_map: cutlass.GridConstant[tensor_map.TensorMap],
                pair_map: cutlass.GridConstant[tensor_map.TensorMap], mValue: cute.Tensor, mShapes: cute.Tensor,
                mStarts: cute.Tensor, mLoc: cute.Tensor, mAttn: cute.Tensor, mRef: cute.Tensor, mOrder: cute.Tensor,
                mOut: cute.Tensor, mDesc: cute.Tensor,
@@ -320,7 +319,7 @@ class MSDAForward:
 
         if warp >= consumer_warps:
             self.producer(warp - consumer_warps, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma,
-                          attn_atom, attn_tma, box_template, loc_map, pair_map, mValue, mLoc, mAttn, mOrder, mDesc,
+                          attn_atom, attn_tma, box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc,
                           storage, input_rings, box_rings, staging, scheduler, rounds, sizes, starts, staged, offsets,
                           used, doubled, rank, bidx)
         else:
@@ -358,7 +357,7 @@ class MSDAForward:
     # ------------------------------------------------------------------------------------------------
     @cute.jit
     def producer(self, p, stage_atom, stage_tma, fetch_atom, fetch_tma, loc_atom, loc_tma, attn_atom, attn_tma,
-                 box_template, loc_map, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings,
+                 box_template, pair_map, mValue, mLoc, mAttn, mOrder, mDesc, storage, input_rings, box_rings,
                  staging, scheduler, rounds, sizes, starts, staged, offsets, used, doubled, rank, bidx):
         """Producer warp p feeds groups p, p + producers, ... (with TMA boxes, its own group only)."""
         producers = self.cfg.producer_warps
@@ -404,7 +403,7 @@ class MSDAForward:
                             if cutlass.const_expr(self.prefetch):
                                 input_states[j] = self.load_inputs(loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn,
                                                                    input_rings, input_states[j], mLoc, mAttn, mOrder,
-                                                                   n, m, q0, loc_map)
+                                                                   n, m, q0)
                             if cutlass.const_expr(self.boxes):
                                 box_state = self.load_boxes(box_maps, box_rings, box_state, mLoc, storage, sizes,
                                                             staged, n, m, q0)
@@ -556,7 +555,7 @@ class MSDAForward:
 
     @cute.jit
     def load_inputs(self, loc_atom, loc_tma, attn_atom, attn_tma, sLoc, sAttn, rings, state, mLoc, mAttn, mOrder, n,
-                    m, q0, loc_map=None):
+                    m, q0):
         """One tile's rows of locations and weights (or offsets and logits): two TMA boxes; or, through the
         order table, lane j copies the rows of the tile's queries j, j + 32, ... with two bulk copies each
         (rows of 16-byte multiples need no tensor map, and the lanes issue in parallel). Either way L2
@@ -575,24 +574,17 @@ class MSDAForward:
                     self.copy_row(mAttn, attn_stage.iterator + slot * self.cfg.attn_row_elems, row, self.LP, full)
         else:
             block = q0 // self.G
-            if cutlass.const_expr(self.cfg.staggers_locations):
-                assert loc_map is not None, "staggered locations load through their own tensor map"
-                if cute.arch.lane_idx() == 0:  # one thread issues the box
-                    prims.cp_async_bulk_tensor_shared_cta_global(
-                        loc_stage.iterator, cutlass.Pointer(loc_map.get_ptr(), dtype=cutlass.Int64),
-                        [cutlass.Int32(0), m, q0, n], full,
-                        l2_cache_hint=cutlass.Int64(L2_EVICT_FIRST))
-            else:
-                self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block)
+            self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block,
+                           self.cfg.staggers_locations)
             self.load_rows(attn_atom, attn_tma, attn_stage, self.cfg.attn_row_elems, full, n, m, block)
         state.advance(rings.groups)
         return state
 
     @cute.jit
-    def load_rows(self, atom, tma, stage, row_elems: int, full, n, m, block):
+    def load_rows(self, atom, tma, stage, row_elems: int, full, n, m, block, swizzled: bool = False):
         box = (row_elems, 1, self.G, 1)
         src = cute.local_tile(tma, box, (0, m, block, n))
-        dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
+        dst = cute.make_tensor(stage.iterator, input_layout(box, swizzled))
         tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
                                          cute.group_modes(src, 0, 4))
         cute.copy(atom, tIg, tIs, tma_bar_ptr=full, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
