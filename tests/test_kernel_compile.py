@@ -151,8 +151,11 @@ def configs_of(name):
 
 @pytest.mark.parametrize("name", [n for n, cfg in VARIANTS if isinstance(cfg, KernelConfig)])
 def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
-    ptx = ptx_of[name]
-    cfg = configs_of(name)
+    check_tiled_ptx(ptx_of[name], configs_of(name))
+
+
+def check_tiled_ptx(ptx, cfg):
+    """What the design depends on, in the PTX of a tiled kernel of configuration cfg."""
     assert re.search(r"^\.target sm_90a", ptx, re.M), "not compiled for sm_90a"
     # Staged levels (and prefetched inputs) arrive by TMA on mbarriers; consumers wait on them.
     assert re.search(r"cp\.async\.bulk\.tensor\.[34]d", ptx) and "mbarrier::complete_tx::bytes" in ptx
@@ -243,6 +246,58 @@ def test_tiled_variant_compiles_for_sm90a_with_tma_and_mbarriers(ptx_of, name):
     shuffles = len(re.findall(rf"shfl\.sync\.idx\.b32\s+%r\d+, %r\d+, \d+, {segment}, -1;", ptx))
     assert (shuffles > 0) == cfg.splits_setup
     assert ("shfl.sync.bfly" in ptx) == (cfg.splits_setup and cfg.fused)
+
+
+def preset_launches():
+    """The distinct configurations that launches of compare.py's presets and model shapes run (fp32, fp16 and bf16
+    value; fp32 locations and locations in value's dtype; the level table on the device and on the host), with a
+    short name each."""
+    import sys
+    from pathlib import Path
+
+    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        import compare
+        import tune
+    finally:
+        sys.path.remove(scripts)
+
+    named = {}
+    shapes = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for loc_dt in (torch.float32, dt):
+            for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
+                for levels in (None, shape.levels):
+                    one = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=levels)
+                    named.setdefault(one, f"{shape.name}-{one.value_dtype}-{one.loc_dtype}"
+                                          f"{'-host-table' if levels else ''}")
+    return sorted(((name, cfg) for cfg, name in named.items()), key=lambda item: item[0])
+
+
+PRESET_LAUNCHES = preset_launches()
+
+
+@pytest.fixture(scope="module")
+def launch_ptx(tmp_path_factory):
+    """The PTX of every configuration in PRESET_LAUNCHES, compiled once."""
+    root = tmp_path_factory.mktemp("launch-ptx")
+    texts = {}
+    for index, (name, cfg) in enumerate(PRESET_LAUNCHES):
+        folder = root / str(index)
+        folder.mkdir()
+        compile_cache.compile_kernel(cfg, f"--keep-ptx --dump-dir={folder}")
+        (file,) = folder.glob("*.sm_90a.ptx")
+        texts[name] = file.read_text()
+    return texts
+
+
+@pytest.mark.parametrize("name,cfg", PRESET_LAUNCHES, ids=[name for name, _ in PRESET_LAUNCHES])
+def test_every_launch_of_the_presets_compiles_with_what_its_design_needs(launch_ptx, name, cfg):
+    """Every configuration the presets' and model shapes' launches pick compiles for sm_90a on the CPU, and its PTX
+    passes the variants' checks (the copies, the hints, the vector widths, the tile loops)."""
+    assert isinstance(cfg, KernelConfig)
+    check_tiled_ptx(launch_ptx[name], cfg)
 
 
 @pytest.mark.parametrize("name", [n for n, cfg in VARIANTS if isinstance(cfg, GenericConfig)])
