@@ -59,20 +59,6 @@ VARIANTS = [
     ("line-prefetch", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
                             producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
                             segment_cost=4, output_evict_first=True, staged_addresses=True)),
-    # ... and detr-encoder's launch as shipped (fp16): the location rows loaded with TMA's 128-byte swizzle and read
-    # staggered, the last level staged with each pixel row twice (a 5-D box through a stride-0 mode), a 108 KB buffer.
-    ("encoder-stagger-doubled", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, num_groups=7,
-                                      producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
-                                      segment_cost=4, output_evict_first=True, staged_addresses=True,
-                                      stagger_locations=True, doubled_coarsest=True,
-                                      stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)),
-    # ... and its bf16 launch.
-    ("encoder-stagger-doubled-bf16", tiled("bfloat16", "float32", "float32", 8, 4, 4, 32, cluster_size=1,
-                                           num_groups=7, producers=1, split_setup=False, line_prefetch=True,
-                                           coarse_evict_last=True, segment_cost=4, output_evict_first=True,
-                                           staged_addresses=True,
-                                           stagger_locations=True, doubled_coarsest=True,
-                                           stage_bytes=launch_rules.DOUBLED_STAGE_BYTES)),
     # Several samples' loads issued before any is summed: the decoders' launch (the finest level's lines
     # evicted from L1 first, the first tiles' inputs issued before the prologue), and without the split.
     ("gather-batch-4", tiled("float16", "float32", "float32", 8, 4, 4, 32, l1_first=True, producers=1,
@@ -518,15 +504,6 @@ def test_launch_choices_of_the_presets(preset, N, Lq, S, P, expected):
         # 384 segments on 66 pairs: 6 rounds, 396 ranges; a caller's window still sets the rounds (all of L2: 10)
         assert (schedule.rounds, schedule.whole) == (6, False)
         assert launch_of(cfg, N, Lq, S, window=1.0)[2].rounds == 10
-
-
-@pytest.mark.parametrize("name,value", [("encoder-stagger-doubled", "float16"),
-                                        ("encoder-stagger-doubled-bf16", "bfloat16")])
-def test_the_compiled_encoder_variants_are_detr_encoders_launches(name, value):
-    """The PTX test's encoder variants are what detr-encoder launches (N=2, Lq=S=22223, fp32 locations), so that the
-    CPU suite compiles the staggered locations and the doubled level as they ship."""
-    cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
-    assert dataclasses.replace(cfg, **launch_of(cfg, 2, 22223, 22223)[0]) == configs_of(name)
 
 
 DETR = [(100, 167), (50, 84), (25, 42), (13, 21)]
