@@ -12,7 +12,7 @@ if not interface.available():
     pytest.skip("nvidia-cutlass-dsl is not importable", allow_module_level=True)
 
 from cute_deform.hopper import compile_cache, kernel, launch_rules, tile_scheduler  # noqa: E402
-from cute_deform.hopper.config import STAGE_BOX_PIXELS, KernelConfig, round_up  # noqa: E402
+from cute_deform.hopper.config import ITEMSIZE, STAGE_BOX_PIXELS, KernelConfig, round_up  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
 from msda_testing import raster_cells  # noqa: E402
@@ -186,8 +186,10 @@ def check_tiled_ptx(ptx, cfg):
     if cfg.fine_gather == "ldg":
         assert re.search(rf"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?{vec}\.b32", ptx), \
             f"L1 gathers should be {cfg.vector_bytes}-byte vector loads"
-        if cfg.vector_bytes < 16:
-            assert not re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4", ptx)
+        # No 16-byte gathers under 8-byte vectors (fp32 box reference points, 16 bytes a row, load as one such vector).
+        ref_vector = cfg.fused and cfg.ref_dims * ITEMSIZE[cfg.ref_dtype] == 16
+        if cfg.vector_bytes < 16 and not ref_vector:
+            assert not re.search(r"ld\.global(\.nc)?(\.L1::evict_first)?(\.L2::128B)?\.v4\.b32", ptx)
     assert bool(re.search(rf"ld\.global(\.L2::cache_hint)?\.L2::128B{vec}", ptx)) == cfg.line_prefetch
     # strips: two copies of the consumers' tile loop, one with the strips' map and one without, chosen once.
     copies = 2 if cfg.strips else 1
@@ -215,10 +217,12 @@ def check_tiled_ptx(ptx, cfg):
     # Staged pixels (and boxes) are read as vectors of cfg.vector_bytes.
     assert f"ld.shared{vec}.b32" in ptx
     # staged_addresses: each staged sample's two corners of the next column load at their first column's
-    # address plus one pixel (an immediate offset), in the one copy of every level's staged reads.
+    # address plus one pixel (an immediate offset), in the one copy of every level's staged reads (none where nothing
+    # is staged: the fused one-level launch keeps the knob with no buffer).
     pixel_bytes = cfg.head_dim * cfg.itemsize
     next_column = re.findall(rf"ld\.shared{vec}\.b32\s+\{{[^}}]*\}}, \[%r\d+\+{pixel_bytes}\];", ptx)
-    assert len(next_column) == (copies * 2 * cfg.num_levels * cfg.num_points if cfg.staged_addresses else 0)
+    staged_reads = cfg.staged_addresses and cfg.stage_pixels > 0
+    assert len(next_column) == (copies * 2 * cfg.num_levels * cfg.num_points if staged_reads else 0)
     # fp16 / bf16 value: the four-corner sums in packed half arithmetic.
     if cfg.value_dtype == "float16":
         assert re.search(r"\b(fma|mul)(\.rn)?\.f16x2", ptx)
@@ -236,8 +240,8 @@ def check_tiled_ptx(ptx, cfg):
 
 def preset_launches():
     """The distinct configurations that launches of compare.py's presets and model shapes run (fp32, fp16 and bf16
-    value; fp32 locations and locations in value's dtype; the level table on the device and on the host), with a
-    short name each."""
+    value; fp32 locations and locations in value's dtype; the level table on the device and on the host; and the fused
+    op's, with offsets, logits and (x, y) or box reference points in value's dtype), with a short name each."""
     import sys
     from pathlib import Path
 
@@ -257,6 +261,16 @@ def preset_launches():
                 for levels in (None, shape.levels):
                     one = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=levels)
                     named.setdefault(one, f"{shape.name}-{one.value_dtype}-{one.loc_dtype}"
+                                          f"{'-host-table' if levels else ''}")
+        for shape in shapes:
+            for ref_dims in (2, 4):
+                M, L, P = shape.M, shape.L, shape.P
+                value, offsets = torch.empty(1, 1, M, shape.D, dtype=dt), torch.empty(1, 1, M, L, P, 2, dtype=dt)
+                logits, ref = torch.empty(1, 1, M, L, P, dtype=dt), torch.empty(1, 1, L, ref_dims, dtype=dt)
+                cfg = interface.config_for(value, offsets, logits, ref)
+                for levels in (None, shape.levels):
+                    one = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, {}, levels=levels)
+                    named.setdefault(one, f"{shape.name}-{one.value_dtype}-fused-ref{ref_dims}"
                                           f"{'-host-table' if levels else ''}")
     return sorted(((name, cfg) for cfg, name in named.items()), key=lambda item: item[0])
 
@@ -300,7 +314,7 @@ def test_generic_variant_compiles_without_tma(ptx_of, name):
     (1024, "float16", True), (1025, "float16", False), (30, "float16", False), (3, "float32", False),
     (2, "float32", False), (4, "bfloat16", False), (2048, "float16", False)])
 def test_head_dims_go_to_the_kernel_that_takes_them(D, dtype, tiled_kernel):
-    from cute_deform.hopper.config import ITEMSIZE, tiled_kernel_fits
+    from cute_deform.hopper.config import tiled_kernel_fits
 
     assert tiled_kernel_fits(ITEMSIZE[dtype], D, 4, 4) == tiled_kernel
     if tiled_kernel:
