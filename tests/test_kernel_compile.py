@@ -238,10 +238,8 @@ def check_tiled_ptx(ptx, cfg):
     assert ("shfl.sync.bfly" in ptx) == (cfg.splits_setup and cfg.fused)
 
 
-def preset_launches():
-    """The distinct configurations that launches of compare.py's presets and model shapes run (fp32, fp16 and bf16
-    value; fp32 locations and locations in value's dtype; the level table on the device and on the host; and the fused
-    op's, with offsets, logits and (x, y) or box reference points in value's dtype), with a short name each."""
+def _preset_scripts():
+    """compare.py and tune.py (their presets, model shapes and shape helpers), imported from scripts/."""
     import sys
     from pathlib import Path
 
@@ -252,17 +250,34 @@ def preset_launches():
         import tune
     finally:
         sys.path.remove(scripts)
+    return compare, tune
 
-    named = {}
+
+def unfused_preset_launches():
+    """(shape, value dtype, location dtype, base configuration, [its launch with the level table on the device, and
+    on the host]) for every preset and model shape of compare.py, in fp32, fp16 and bf16 value with fp32 locations and
+    locations in value's dtype."""
+    compare, tune = _preset_scripts()
     shapes = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
             for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
-                for levels in (None, shape.levels):
-                    one = launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=levels)
-                    named.setdefault(one, f"{shape.name}-{one.value_dtype}-{one.loc_dtype}"
-                                          f"{'-host-table' if levels else ''}")
-        for shape in shapes:
+                yield shape, dt, loc_dt, cfg, [launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning,
+                                                                            levels=levels)
+                                               for levels in (None, shape.levels)]
+
+
+def preset_launches():
+    """The distinct configurations that launches of compare.py's presets and model shapes run (unfused_preset_launches;
+    and the fused op's, with offsets, logits and (x, y) or box reference points in value's dtype, the level table on
+    the device and on the host), with a short name each."""
+    named = {}
+    for shape, _, _, _, launched in unfused_preset_launches():
+        for one, table in zip(launched, ("", "-host-table")):
+            named.setdefault(one, f"{shape.name}-{one.value_dtype}-{one.loc_dtype}{table}")
+    compare, tune = _preset_scripts()
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for shape in tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS)):
             for ref_dims in (2, 4):
                 M, L, P = shape.M, shape.L, shape.P
                 value, offsets = torch.empty(1, 1, M, shape.D, dtype=dt), torch.empty(1, 1, M, L, P, 2, dtype=dt)
@@ -450,27 +465,16 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
         dataclasses.replace(odd, permuted=True, gather_batch=2, line_prefetch=True)]
 
 
-def test_precompile_covers_every_launch_of_the_presets_and_model_shapes(monkeypatch):
+def test_precompile_covers_every_launch_of_the_presets_and_model_shapes():
     """Every configuration a launch of compare.py's presets and model shapes picks (fp32, fp16 and bf16 value; fp32
     locations and locations in value's dtype; the level table on the device or on the host) is one of launch_variants'
     of its base configuration, so scripts/precompile.py leaves no kernel to compile at a first call."""
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
-    import compare
-    import tune
-
-    shapes = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
-    for dt in (torch.float32, torch.float16, torch.bfloat16):
-        for loc_dt in (torch.float32, dt):
-            for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
-                launched = [launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning, levels=levels)
-                            for levels in (None, shape.levels)]  # a level table on the device, and on the host
-                for one in launched:
-                    assert one in launch_rules.launch_variants(cfg), (shape.name, dt, loc_dt, one)
-                # The host's table changes one launch of these: rtdetr-decoder's staging (WIDE_STAGE_BYTES, fp16/bf16).
-                wide = shape.name == "rtdetr-decoder" and dt != torch.float32
-                assert (launched[0] != launched[1]) == wide, (shape.name, dt, loc_dt)
+    for shape, dt, loc_dt, cfg, launched in unfused_preset_launches():
+        for one in launched:
+            assert one in launch_rules.launch_variants(cfg), (shape.name, dt, loc_dt, one)
+        # The host's table changes one launch of these: rtdetr-decoder's staging (WIDE_STAGE_BYTES, fp16/bf16).
+        wide = shape.name == "rtdetr-decoder" and dt != torch.float32
+        assert (launched[0] != launched[1]) == wide, (shape.name, dt, loc_dt)
 
 
 H100 = dict(sms=132, l2_bytes=50 << 20)
