@@ -15,7 +15,10 @@ from cute_deform.hopper import compile_cache, kernel, launch_rules, tile_schedul
 from cute_deform.hopper.config import ITEMSIZE, STAGE_BOX_PIXELS, KernelConfig, round_up  # noqa: E402
 from cute_deform.hopper.generic import GenericConfig  # noqa: E402
 from cute_deform.hopper.order import OrderConfig, order_grid  # noqa: E402
-from msda_testing import raster_cells  # noqa: E402
+from msda_testing import raster_cells  # noqa: E402  (it puts scripts/ on sys.path)
+
+import compare  # noqa: E402
+import tune  # noqa: E402
 
 TUNING = launch_rules.TUNING
 
@@ -238,30 +241,17 @@ def check_tiled_ptx(ptx, cfg):
     assert ("shfl.sync.bfly" in ptx) == (cfg.splits_setup and cfg.fused)
 
 
-def _preset_scripts():
-    """compare.py and tune.py (their presets, model shapes and shape helpers), imported from scripts/."""
-    import sys
-    from pathlib import Path
-
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    sys.path.insert(0, scripts)
-    try:
-        import compare
-        import tune
-    finally:
-        sys.path.remove(scripts)
-    return compare, tune
+# compare.py's presets and model shapes, as tune.py builds them.
+PRESET_SHAPES = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
 
 
 def unfused_preset_launches():
     """(shape, value dtype, location dtype, base configuration, [its launch with the level table on the device, and
     on the host]) for every preset and model shape of compare.py, in fp32, fp16 and bf16 value with fp32 locations and
     locations in value's dtype."""
-    compare, tune = _preset_scripts()
-    shapes = tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS))
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         for loc_dt in (torch.float32, dt):
-            for shape, tuning, cfg in tune._variant_configs(shapes, [{}], dt, loc_dt):
+            for shape, tuning, cfg in tune._variant_configs(PRESET_SHAPES, [{}], dt, loc_dt):
                 yield shape, dt, loc_dt, cfg, [launch_rules.launched_config(cfg, shape.N, shape.Lq, shape.S, tuning,
                                                                             levels=levels)
                                                for levels in (None, shape.levels)]
@@ -275,9 +265,8 @@ def preset_launches():
     for shape, _, _, _, launched in unfused_preset_launches():
         for one, table in zip(launched, ("", "-host-table")):
             named.setdefault(one, f"{shape.name}-{one.value_dtype}-{one.loc_dtype}{table}")
-    compare, tune = _preset_scripts()
     for dt in (torch.float32, torch.float16, torch.bfloat16):
-        for shape in tune.shapes_of(list(compare.PRESETS) + list(compare.MODEL_PRESETS)):
+        for shape in PRESET_SHAPES:
             for ref_dims in (2, 4):
                 M, L, P = shape.M, shape.L, shape.P
                 value, offsets = torch.empty(1, 1, M, shape.D, dtype=dt), torch.empty(1, 1, M, L, P, 2, dtype=dt)
