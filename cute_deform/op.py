@@ -65,6 +65,12 @@ def _forward_cpu(value, spatial_shapes, level_start_index, sampling_locations, a
 _DEVICE_LEVEL_TABLES: "collections.OrderedDict" = collections.OrderedDict()
 
 
+def _host_table(spatial_shapes, level_start_index, shapes=None, starts=None):
+    """A level table on the CPU as lists ((H, W) pairs, first pixels): what the checks already read, or read now."""
+    return (shapes if shapes is not None else spatial_shapes.tolist(),
+            starts if starts is not None else level_start_index.tolist())
+
+
 def _level_tables_on(device, spatial_shapes, level_start_index, shapes=None, starts=None):
     """Level tables on value's device. Tables given on the CPU (already read by the checks: pass what
     they read as shapes / starts, lists as .tolist() gives them) are copied once per distinct table and
@@ -73,10 +79,7 @@ def _level_tables_on(device, spatial_shapes, level_start_index, shapes=None, sta
     if spatial_shapes.device == device and level_start_index.device == device:
         return spatial_shapes, level_start_index
     if spatial_shapes.is_cpu and level_start_index.is_cpu:
-        if shapes is None:
-            shapes = spatial_shapes.tolist()
-        if starts is None:
-            starts = level_start_index.tolist()
+        shapes, starts = _host_table(spatial_shapes, level_start_index, shapes, starts)
         key = (device, tuple(map(tuple, shapes)), tuple(starts))
         tables = _DEVICE_LEVEL_TABLES.get(key)
         if tables is None:
@@ -96,8 +99,7 @@ def _tables_for_kernel(device, spatial_shapes, level_start_index, shapes=None, s
     shapes / starts: what the checks read of a CPU table, or None."""
     host = None
     if spatial_shapes.is_cpu and level_start_index.is_cpu:
-        host = (shapes if shapes is not None else spatial_shapes.tolist(),
-                starts if starts is not None else level_start_index.tolist())
+        host = _host_table(spatial_shapes, level_start_index, shapes, starts)
         shapes, starts = host
     if spatial_shapes.is_cpu or level_start_index.is_cpu:
         spatial_shapes, level_start_index = _level_tables_on(device, spatial_shapes, level_start_index, shapes, starts)
