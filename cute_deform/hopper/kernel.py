@@ -37,7 +37,8 @@ except Exception:
     pass
 
 from . import pipeline
-from .config import CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, round_up, stage_levels
+from .config import (CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, stage_levels,
+                     staged_pixels)
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler, strip_plan
@@ -294,7 +295,7 @@ class MSDAForward:
         # KernelConfig.doubles_coarsest: the last level takes twice its rows where the same levels still fit.
         doubled = cutlass.Boolean(False)
         if cutlass.const_expr(self.cfg.doubles_coarsest):
-            last_px = round_up(sizes[self.L - 1][0] * sizes[self.L - 1][1], STAGE_BOX_PIXELS)
+            last_px = staged_pixels(*sizes[self.L - 1])
             doubled = staged[self.L - 1] & (used + last_px <= self.stage_pixels)
             extra = cutlass.select_(doubled, last_px, 0)
             for level in cutlass.range_constexpr(self.L - 1):
