@@ -29,9 +29,9 @@ def round_up(x: int, k: int) -> int:
     return ceil_div(x, k) * k
 
 
-def staged_pixels(H, W):
-    """The pixel rows a level of H x W takes in the staging buffer: whole boxes of STAGE_BOX_PIXELS."""
-    return round_up(H * W, STAGE_BOX_PIXELS)
+def staged_pixels(pixels):
+    """The pixel rows a level of `pixels` pixels takes in the staging buffer: whole boxes of STAGE_BOX_PIXELS."""
+    return round_up(pixels, STAGE_BOX_PIXELS)
 
 
 def stage_levels(sizes, stage_pixels: int, zero, select):
@@ -43,7 +43,7 @@ def stage_levels(sizes, stage_pixels: int, zero, select):
     staged, offsets, used = [None] * len(sizes), [zero] * len(sizes), zero
     for level in range(len(sizes) - 1, -1, -1):
         H, W = sizes[level]
-        pixels = staged_pixels(H, W)
+        pixels = staged_pixels(H * W)
         fits = used + pixels <= stage_pixels
         staged[level] = fits
         offsets[level] = used

@@ -295,7 +295,7 @@ class MSDAForward:
         # KernelConfig.doubles_coarsest: the last level takes twice its rows where the same levels still fit.
         doubled = cutlass.Boolean(False)
         if cutlass.const_expr(self.cfg.doubles_coarsest):
-            last_px = staged_pixels(*sizes[self.L - 1])
+            last_px = staged_pixels(sizes[self.L - 1][0] * sizes[self.L - 1][1])
             doubled = staged[self.L - 1] & (used + last_px <= self.stage_pixels)
             extra = cutlass.select_(doubled, last_px, 0)
             for level in cutlass.range_constexpr(self.L - 1):

@@ -428,7 +428,7 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             if single.threads <= 1024 and single.stage_pixels > 0:
                 changes.update(more)
         if (cfg.num_levels == 1 and _unstaged_level_measured(cfg, permuted) and "stage_bytes" not in fixed
-                and staged_pixels(S, 1) > dataclasses.replace(cfg, **changes).stage_pixels):
+                and staged_pixels(S) > dataclasses.replace(cfg, **changes).stage_pixels):
             # One level too large to stage (a BEV grid): no staging buffer, so the SM's carveout leaves L1 about
             # 200 KB instead of 60 KB for the gathers. H100, session 30, tune.py, two runs in opposite orders, µs,
             # 96 KB -> none: 200x200 N=1 50.6 / 51.1 -> 49.0 / 48.9, N=2 93.5 / 93.7 -> 89.9 / 89.5, N=4 176.6 /
