@@ -15,7 +15,9 @@ run is reported and the script exits non-zero. The table is printed last.
 
 Implementations: classic-fp32 (classic on an fp32 copy of value: the paper's kernel at fp32, the speed anchor of
 issue 3), classic, vec, tile2x2, tma, distributed (kernels/), cute (torch.ops.cute_deform.forward, given the level
-table on the host as transformers' models give it) and grid_sample (F.grid_sample in fp32, pure PyTorch).
+table on the host as transformers' models give it; fp32 locations and weights), cute-half (the same op given its
+locations and weights in value's dtype, as a half-precision model passes them and as DCNv4 computes with them),
+dcnv4 (built from its sdist, scripts/peers.py) and grid_sample (F.grid_sample in fp32, pure PyTorch).
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ MODEL_PRESETS = {
     # Deformable DETR's decoder at inference on one image: 300 object queries (two-stage) around reference points.
     "detr-decoder-b1": dict(N=1, Lq=300, levels=DETR_LEVELS, P=4, locations="ref"),
 }
-ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute")
+ALL_IMPLS = ("classic-fp32", "classic", "vec", "tile2x2", "tma", "distributed", "grid_sample", "dcnv4", "cute",
+             "cute-half")
 # cute's bounds: fp32 arithmetic, and packed half arithmetic for the corner sums of fp16 / bf16 value.
 CUTE_BOUND = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -392,6 +395,24 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args, logits=None, d
             bound.append(Impl(name, lambda op=op: op(value, host_shapes, host_starts, loc, attn), None,
                               value.dtype, poisonable=False,
                               note="allocates its output: poisoned through the allocator (run_poisoned)"))
+        elif name == "cute-half":
+            # The inputs an fp16 or bf16 model hands the op (its offsets and weights are in the model's dtype), and
+            # the ones DCNv4 computes with: locations and weights rounded to value's dtype. Half the input bytes.
+            if value.dtype == torch.float32:
+                skipped.append((name, "skipped: fp32 value, so the same inputs as cute"))
+                continue
+            op, why = cute_forward()
+            if op is None:
+                skipped.append((name, why))
+                continue
+            host_shapes, host_starts = spatial_shapes.cpu(), level_start_index.cpu()
+            loc_half, attn_half = loc.to(value.dtype), attn.to(value.dtype)
+            impl = Impl(name, lambda op=op, l=loc_half, a=attn_half: op(value, host_shapes, host_starts, l, a), None,
+                        value.dtype, poisonable=False,
+                        note="locations and weights in value's dtype, as a half-precision model passes them: "
+                             "checked against a reference on those inputs")
+            impl.reference_inputs = (loc_half.float(), attn_half.float())
+            bound.append(impl)
         elif name == "grid_sample":
             per_level = shape.N * shape.M * shape.D * shape.Lq * shape.P * 4
             if per_level > GRID_SAMPLE_MAX_BYTES:
@@ -525,7 +546,7 @@ def run_preset(shape: Shape, args, ext, ext_error, copy_bw, names, progress) -> 
     for impl in bound:
         value_bytes = torch.empty(0, dtype=impl.value_dtype).element_size()
         row = Row(shape.name, impl.name, str(impl.value_dtype).replace("torch.", ""), note=impl.note)
-        row.bound = (CUTE_BOUND if impl.name == "cute" else baselines.ERROR_BOUND)[impl.value_dtype]
+        row.bound = (CUTE_BOUND if impl.name.startswith("cute") else baselines.ERROR_BOUND)[impl.value_dtype]
         progress.set_postfix_str(f"{shape.name} {impl.name}")
         try:
             impl_ref = ref

@@ -80,9 +80,12 @@ def configurations() -> list:
         for loc_dt in (torch.float32, dt):
             for cfg in sorted(tune.configs_of(shapes, [{}], dt, loc_dt), key=repr):
                 configs += launch_rules.launch_variants(cfg)
-    # compare.py --presets models (fp16 value, fp32 locations): the model shapes beyond the presets.
-    for cfg in sorted(tune.configs_of(tune.shapes_of(list(compare.MODEL_PRESETS)), [{}], torch.float16), key=repr):
-        configs += launch_rules.launch_variants(cfg)
+    # compare.py --presets models (fp16 value; cute with fp32 locations, cute-half with fp16 ones): the model shapes
+    # beyond the presets.
+    for loc_dt in (torch.float32, torch.float16):
+        models = tune.shapes_of(list(compare.MODEL_PRESETS))
+        for cfg in sorted(tune.configs_of(models, [{}], torch.float16, loc_dt), key=repr):
+            configs += launch_rules.launch_variants(cfg)
     # compare.py --D 48 / 96 / 256 (fp16 value, fp32 locations): the head dims timed against classic.
     for D in (48, 96, 256):
         args = compare.parse_args(["--presets", ",".join(compare.PRESETS), "--D", str(D)])

@@ -107,6 +107,12 @@ VARIANTS = [
     # ... and at eight points a level.
     ("fused-encoder-p8", tiled("bfloat16", "bfloat16", "bfloat16", 8, 4, 8, 32, fused=True, cluster_size=1,
                                num_groups=6, producers=1, split_setup=False, staged_addresses=True)),
+    # Half-precision inputs at 12 points a head (an fp16 Mask2Former's pixel decoder): a head's row of weights is 24
+    # bytes, so each tile's weights come in a box over the heads' rows of its queries (the encoders' launch).
+    ("half-weights-three-levels", tiled("float16", "float16", "float16", 8, 3, 4, 32, cluster_size=1, num_groups=7,
+                                        producers=1, split_setup=False, line_prefetch=True, coarse_evict_last=True,
+                                        segment_cost=4, gather_batch=2, output_evict_first=True,
+                                        staged_addresses=True)),
     ("generic-d30", GenericConfig("float16", "float32", "float32", 8, 4, 4, 30)),
     ("generic-d3-fused", GenericConfig("float32", "float32", "float16", 2, 6, 3, 3, fused=True, ref_dims=4)),
 ]
@@ -445,9 +451,9 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                                                        half_sums=4)
     boxes = tiled("float16", "float32", "float32", 8, 4, 4, 32, fine_gather="tma")
     assert launch_rules.launch_variants(boxes) == [boxes]
-    # Rows of locations that TMA cannot load (L*P*2*2 bytes not a multiple of 16): the consumers read
-    # them, through the order table too.
-    odd = tiled("float16", "float16", "float16", 8, 1, 3, 32, cluster_size=1)
+    # Rows of locations that TMA cannot load (L*P*2*2 bytes a head, and the two heads' rows together, not multiples
+    # of 16): the consumers read them, through the order table too.
+    odd = tiled("float16", "float16", "float16", 2, 1, 3, 32, cluster_size=1)
     assert not odd.prefetch_inputs and odd.producer_warps == 1
     assert launch_rules.launch_variants(odd) == [
         odd, dataclasses.replace(odd, l1_first=True, gather_batch=4),  # no producer warp feeds them: producers stays
@@ -803,6 +809,30 @@ def test_ring_rows_apart_spread_over_the_banks():
     assert seed.input_bytes == seed.queries_per_tile * 4 * 3 * 32
     encoder = tiled("float16", "float32", "float32", 8, 4, 4, 32)
     assert not encoder.rows_apart and (encoder.loc_row_elems, encoder.attn_row_elems) == (32, 16)
+
+
+def test_half_weights_of_a_short_head_row_come_in_a_box_over_the_heads(ptx_of):
+    """A head's row of half-precision weights at 12 or 4 points (24 or 8 bytes) cannot be a TMA stride, so the
+    input rings took them only in fp32, and fp16 Mask2Former, BEV and RT-DETR shapes fell back to six groups that
+    read their inputs themselves (17-32% slower, H100, docs/performance.md session 57). A box over the heads' rows
+    of the tile's queries, at the head's first weight, loads them: its rows are padded to 16 bytes. It needs the
+    heads' rows of a query to be a multiple of 16 bytes, and tensor boxes (not the order table's bulk copies)."""
+    mask2former = tiled("float16", "float16", "float16", 8, 3, 4, 32)
+    bev = tiled("bfloat16", "bfloat16", "bfloat16", 8, 1, 4, 32)
+    for cfg, loc_row, attn_row in ((mask2former, 24, 16), (bev, 8, 8)):
+        assert cfg.prefetch_inputs and (cfg.loc_row_elems, cfg.attn_row_elems) == (loc_row, attn_row)
+        assert cfg.input_bytes == cfg.queries_per_tile * 2 * (loc_row + attn_row)
+    assert not tiled("float16", "float16", "float16", 1, 3, 4, 32).prefetch_inputs  # 24 bytes, one head
+    assert not dataclasses.replace(mask2former, permuted=True).prefetch_inputs
+    # fp32 inputs keep their rows; so do half-precision ones already of 16-byte multiples.
+    assert (tiled("float16", "float32", "float32", 8, 3, 4, 32).attn_row_elems,
+            tiled("float16", "float16", "float16", 8, 4, 4, 32).attn_row_elems) == (12, 16)
+    # The launch the model shapes take with fp32 inputs, now with fp16 ones: the weights' boxes are 3-D.
+    ptx = ptx_of["half-weights-three-levels"]
+    cfg = configs_of("half-weights-three-levels")
+    assert cfg.prefetch_inputs and cfg.producer_warps == 1
+    assert len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.3d", ptx, re.M)) == cfg.num_groups
+    assert len(re.findall(r"^\s*cp\.async\.bulk\.tensor\.4d", ptx, re.M)) == cfg.num_groups + cfg.num_levels
 
 
 def test_staggered_locations_spread_over_the_banks():

@@ -75,6 +75,15 @@ def cases():
         out.append(dict(value=vname, loc="fp32", D=D, L=4, P=4, M=8, variant="vectors8"))
     for vname, D, P in (("fp16", 32, 4), ("bf16", 32, 4), ("fp32", 32, 4), ("fp16", 64, 2), ("fp16", 16, 8)):
         out.append(dict(value=vname, loc="fp32", D=D, L=4, P=P, M=8, variant="staged_addresses"))
+    # Half-precision inputs whose head's row of weights is not a multiple of 16 bytes (12, 4 and 9 points): a box
+    # over the heads' rows of the tile's queries loads them (kernel.input_atom); with one head, the consumers read
+    # them themselves.
+    for vname, lname, L, P, M, variant in (("fp16", "fp16", 3, 4, 8, "default"), ("fp16", "fp16", 3, 4, 8, "single7"),
+                                            ("fp16", "fp16", 3, 4, 8, "vectors8"), ("fp16", "fp16", 3, 4, 8, "reorder"),
+                                            ("bf16", "bf16", 1, 4, 8, "default"), ("bf16", "bf16", 1, 4, 8, "single7"),
+                                            ("fp32", "fp16", 3, 4, 8, "default"), ("fp16", "fp16", 3, 3, 8, "default"),
+                                            ("fp16", "fp16", 3, 4, 1, "default")):
+        out.append(dict(value=vname, loc=lname, D=32, L=L, P=P, M=M, variant=variant))
     return out
 
 

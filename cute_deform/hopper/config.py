@@ -267,8 +267,13 @@ class KernelConfig(ProblemConfig):
     # --- the input ring: each tile's locations (or offsets) and weights (or logits) ----------------
     @property
     def _inputs_fit_tma(self) -> bool:
-        return (self.level_points * 2 * ITEMSIZE[self.loc_dtype] % 16 == 0
-                and self.level_points * ITEMSIZE[self.attn_dtype] % 16 == 0)
+        """A TMA box (or, through the order table, a bulk copy) loads each head's row when it is a multiple of
+        16 bytes. Otherwise (half-precision weights of 12 or 4 points a head) a box can still take the heads'
+        rows of a query together, as one row, where that is a multiple of 16 bytes: kernel.input_atom."""
+        def fits(per_query: int, dtype: str) -> bool:
+            row = per_query * ITEMSIZE[dtype]
+            return row % 16 == 0 or (not self.permuted and self.num_heads * row % 16 == 0)
+        return fits(2 * self.level_points, self.loc_dtype) and fits(self.level_points, self.attn_dtype)
 
     def _stage_elems(self, row_elems: int, dtype: str) -> int:
         """Elements of one stage of an input ring: G rows of row_elems, padded to 128 bytes."""
@@ -288,10 +293,13 @@ class KernelConfig(ProblemConfig):
         threads of a query read of a row at once (their points' per_point elements each; at least 16
         bytes): with rows of a multiple of 128 bytes back to back, the queries of a warp reading the same
         place of their rows would all hit the same banks."""
-        if not self.rows_apart:
-            return per_query
-        readers = self.threads_per_query if self.splits_setup else 1
-        return per_query + round_up(per_point * ITEMSIZE[dtype] * readers, 16) // ITEMSIZE[dtype]
+        size = ITEMSIZE[dtype]
+        elems = per_query
+        if self.rows_apart:
+            readers = self.threads_per_query if self.splits_setup else 1
+            elems += round_up(per_point * size * readers, 16) // size
+        # A TMA box's rows are multiples of 16 bytes: a shorter head's row is padded (kernel.input_atom).
+        return round_up(elems * size, 16) // size
 
     @property
     def loc_row_elems(self) -> int:

@@ -80,6 +80,11 @@ def input_layout(box, swizzled: bool):
     return cute.make_layout(box)
 
 
+def padded_rows(per_query: int, dtype) -> bool:
+    """Whether a head's row of an input is not a multiple of 16 bytes (config.KernelConfig._row_elems pads it)."""
+    return per_query * (dtype.width // 8) % 16 != 0
+
+
 def check_planned_smem(taken: int, planned: int) -> None:
     if taken > planned:
         raise RuntimeError(f"cute_deform: the kernel takes {taken} bytes of shared memory, more than its "
@@ -121,8 +126,16 @@ class MSDAForward:
     def input_atom(self, tensor: cute.Tensor, per_query: int, row_elems: int, swizzled: bool = False):
         """TMA atom for a tile's rows of an (N, Lq, M, ...) input: the tensor as (per_query, M, Lq, N),
         box (row_elems, 1, G, 1); rows past Lq, and a row's gap past per_query, are zero filled; swizzled: into
-        input_layout's swizzled stage."""
+        input_layout's swizzled stage. A head's row that is not a multiple of 16 bytes (half-precision weights of
+        12 or 4 points) cannot be a TMA stride: the tensor is then (M * per_query, Lq, N), box (row_elems, G, 1),
+        placed at the head's first element (load_rows), and the box's columns past the row read the next head's
+        row, or zeros after the last head; no thread reads them."""
         Lq, N = tensor.shape[1], tensor.shape[0]
+        if cutlass.const_expr(padded_rows(per_query, tensor.element_type)):
+            rows = cute.make_tensor(tensor.iterator, cute.make_layout(
+                (self.M * per_query, Lq, N), stride=(1, self.M * per_query, tensor.stride[0])))
+            box = (row_elems, self.G, 1)
+            return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), rows, cute.make_layout(box), box)
         rows = cute.make_tensor(tensor.iterator, cute.make_layout(
             (per_query, self.M, Lq, N), stride=(1, per_query, self.M * per_query, tensor.stride[0])))
         box = (row_elems, 1, self.G, 1)
@@ -576,19 +589,26 @@ class MSDAForward:
                     self.copy_row(mAttn, attn_stage.iterator + slot * self.cfg.attn_row_elems, row, self.LP, full)
         else:
             block = q0 // self.G
-            self.load_rows(loc_atom, loc_tma, loc_stage, self.cfg.loc_row_elems, full, n, m, block,
+            self.load_rows(loc_atom, loc_tma, loc_stage, 2 * self.LP, self.cfg.loc_row_elems, full, n, m, block,
                            self.cfg.staggers_locations)
-            self.load_rows(attn_atom, attn_tma, attn_stage, self.cfg.attn_row_elems, full, n, m, block)
+            self.load_rows(attn_atom, attn_tma, attn_stage, self.LP, self.cfg.attn_row_elems, full, n, m, block)
         state.advance(rings.groups)
         return state
 
     @cute.jit
-    def load_rows(self, atom, tma, stage, row_elems: int, full, n, m, block, swizzled: bool = False):
-        box = (row_elems, 1, self.G, 1)
-        src = cute.local_tile(tma, box, (0, m, block, n))
-        dst = cute.make_tensor(stage.iterator, input_layout(box, swizzled))
-        tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 4),
-                                         cute.group_modes(src, 0, 4))
+    def load_rows(self, atom, tma, stage, per_query: int, row_elems: int, full, n, m, block, swizzled: bool = False):
+        if cutlass.const_expr(padded_rows(per_query, stage.element_type)):  # input_atom's heads-together view
+            box = (row_elems, self.G, 1)
+            src = cute.local_tile(cute.domain_offset((m * per_query, 0, 0), tma), box, (0, block, n))
+            dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
+            modes = 3
+        else:
+            box = (row_elems, 1, self.G, 1)
+            src = cute.local_tile(tma, box, (0, m, block, n))
+            dst = cute.make_tensor(stage.iterator, input_layout(box, swizzled))
+            modes = 4
+        tIs, tIg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, modes),
+                                         cute.group_modes(src, 0, modes))
         cute.copy(atom, tIg, tIs, tma_bar_ptr=full, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
