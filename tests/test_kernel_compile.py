@@ -822,6 +822,13 @@ def test_half_weights_of_a_short_head_row_come_in_a_box_over_the_heads(ptx_of):
     for cfg, loc_row, attn_row in ((mask2former, 24, 16), (bev, 8, 8)):
         assert cfg.prefetch_inputs and (cfg.loc_row_elems, cfg.attn_row_elems) == (loc_row, attn_row)
         assert cfg.input_bytes == cfg.queries_per_tile * 2 * (loc_row + attn_row)
+    # A box's first coordinate must lie on a 16-byte boundary (TMA faults with an illegal instruction otherwise, as
+    # the first form of this did on the H100), so each head's row starts up to 16 bytes into the box: every head's
+    # row still fits in a box row, at 12, 4 and 9 points (weights) and 9 (locations).
+    odd = tiled("float16", "float16", "float16", 8, 3, 3, 32)
+    for cfg, per_query, row in ((mask2former, 12, mask2former.attn_row_elems), (bev, 4, bev.attn_row_elems),
+                                (odd, 9, odd.attn_row_elems), (odd, 18, odd.loc_row_elems)):
+        assert row * 2 % 16 == 0 and all(m * per_query % 8 + per_query <= row for m in range(8))
     assert not tiled("float16", "float16", "float16", 1, 3, 4, 32).prefetch_inputs  # 24 bytes, one head
     assert not dataclasses.replace(mask2former, permuted=True).prefetch_inputs
     # fp32 inputs keep their rows; so do half-precision ones already of 16-byte multiples.

@@ -5,6 +5,8 @@ sizes) never are, so one compiled kernel serves every size.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 CONSUMER_WARPS = 4  # consumer warps a group; a tile is the queries these 128 threads cover
@@ -298,7 +300,12 @@ class KernelConfig(ProblemConfig):
         if self.rows_apart:
             readers = self.threads_per_query if self.splits_setup else 1
             elems += round_up(per_point * size * readers, 16) // size
-        # A TMA box's rows are multiples of 16 bytes: a shorter head's row is padded (kernel.input_atom).
+        if per_query * size % 16:
+            # A head's row that is not a multiple of 16 bytes comes in a box over the heads' rows (kernel.input_atom),
+            # which starts at the 16-byte boundary before it: the row lies up to 16 bytes less one step of
+            # gcd(per_query, 16 / size) elements into the box, and the box's rows are multiples of 16 bytes.
+            step = 16 // size
+            elems += step - math.gcd(per_query, step)
         return round_up(elems * size, 16) // size
 
     @property

@@ -85,6 +85,15 @@ def padded_rows(per_query: int, dtype) -> bool:
     return per_query * (dtype.width // 8) % 16 != 0
 
 
+def head_rows(stage: cute.Tensor, per_query: int, m):
+    """A ring stage as the consumers read it: where input_atom's box over the heads' rows started at a 16-byte
+    boundary before head m's row, the stage from where that row begins (load_rows)."""
+    if cutlass.const_expr(padded_rows(per_query, stage.element_type)):
+        step = 16 * 8 // stage.element_type.width
+        return cute.make_tensor(stage.iterator + (m * per_query) % step, stage.layout)
+    return stage
+
+
 def check_planned_smem(taken: int, planned: int) -> None:
     if taken > planned:
         raise RuntimeError(f"cute_deform: the kernel takes {taken} bytes of shared memory, more than its "
@@ -128,8 +137,9 @@ class MSDAForward:
         box (row_elems, 1, G, 1); rows past Lq, and a row's gap past per_query, are zero filled; swizzled: into
         input_layout's swizzled stage. A head's row that is not a multiple of 16 bytes (half-precision weights of
         12 or 4 points) cannot be a TMA stride: the tensor is then (M * per_query, Lq, N), box (row_elems, G, 1),
-        placed at the head's first element (load_rows), and the box's columns past the row read the next head's
-        row, or zeros after the last head; no thread reads them."""
+        placed at the 16-byte boundary at or before the head's first element (a box's first coordinate must be one;
+        load_rows), so the head's row lies a few elements into each row of the box (head_rows); the rest of the box
+        reads its neighbours' rows, or zeros past the last head, and no thread reads them."""
         Lq, N = tensor.shape[1], tensor.shape[0]
         if cutlass.const_expr(padded_rows(per_query, tensor.element_type)):
             rows = cute.make_tensor(tensor.iterator, cute.make_layout(
@@ -599,7 +609,9 @@ class MSDAForward:
     def load_rows(self, atom, tma, stage, per_query: int, row_elems: int, full, n, m, block, swizzled: bool = False):
         if cutlass.const_expr(padded_rows(per_query, stage.element_type)):  # input_atom's heads-together view
             box = (row_elems, self.G, 1)
-            src = cute.local_tile(cute.domain_offset((m * per_query, 0, 0), tma), box, (0, block, n))
+            step = 16 * 8 // stage.element_type.width
+            first = m * per_query
+            src = cute.local_tile(cute.domain_offset((first - first % step, 0, 0), tma), box, (0, block, n))
             dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
             modes = 3
         else:
@@ -748,7 +760,8 @@ class MSDAForward:
                     source = ("global", mLoc, mAttn, row)
                     if cutlass.const_expr(self.prefetch):
                         input_rings.wait(input_state)
-                        source = ("smem", sLoc[None, input_state.index], sAttn[None, input_state.index], read_slot,
+                        source = ("smem", head_rows(sLoc[None, input_state.index], 2 * self.LP, m),
+                                  head_rows(sAttn[None, input_state.index], self.LP, m), read_slot,
                                   self.cfg.loc_row_elems, self.cfg.attn_row_elems)
                     ref = (mRef, cutlass.Int64(n) * Lq + qc) if cutlass.const_expr(self.fused) else None
                     if gathers:
