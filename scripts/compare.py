@@ -384,7 +384,11 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args, logits=None, d
                         note="fp16 locations and its own softmax: checked against a reference on those inputs")
             impl.reference_inputs = peers.dcnv4_inputs_as_seen(loc, logits, value.dtype)
             bound.append(impl)
-        elif name == "cute":
+        elif name in ("cute", "cute-half"):
+            half = name == "cute-half"
+            if half and value.dtype == torch.float32:
+                skipped.append((name, "skipped: fp32 value, so the same inputs as cute"))
+                continue
             op, why = cute_forward()
             if op is None:
                 skipped.append((name, why))
@@ -392,26 +396,19 @@ def bind_impls(names, ext, ext_error, inputs, shape: Shape, args, logits=None, d
             # The level table on the host, as cute_deform's transformers integration passes it: the launch reads it
             # (launch_rules.choose_launch's levels), with no host sync.
             host_shapes, host_starts = spatial_shapes.cpu(), level_start_index.cpu()
-            bound.append(Impl(name, lambda op=op: op(value, host_shapes, host_starts, loc, attn), None,
-                              value.dtype, poisonable=False,
-                              note="allocates its output: poisoned through the allocator (run_poisoned)"))
-        elif name == "cute-half":
-            # The inputs an fp16 or bf16 model hands the op (its offsets and weights are in the model's dtype), and
-            # the ones DCNv4 computes with: locations and weights rounded to value's dtype. Half the input bytes.
-            if value.dtype == torch.float32:
-                skipped.append((name, "skipped: fp32 value, so the same inputs as cute"))
-                continue
-            op, why = cute_forward()
-            if op is None:
-                skipped.append((name, why))
-                continue
-            host_shapes, host_starts = spatial_shapes.cpu(), level_start_index.cpu()
-            loc_half, attn_half = loc.to(value.dtype), attn.to(value.dtype)
-            impl = Impl(name, lambda op=op, l=loc_half, a=attn_half: op(value, host_shapes, host_starts, l, a), None,
-                        value.dtype, poisonable=False,
-                        note="locations and weights in value's dtype, as a half-precision model passes them: "
-                             "checked against a reference on those inputs")
-            impl.reference_inputs = (loc_half.float(), attn_half.float())
+            note = "allocates its output: poisoned through the allocator (run_poisoned)"
+            op_loc, op_attn = loc, attn
+            if half:
+                # The inputs an fp16 or bf16 model hands the op (its offsets and weights are in the model's dtype),
+                # and the ones DCNv4 computes with: locations and weights rounded to value's dtype. Half the input
+                # bytes.
+                op_loc, op_attn = loc.to(value.dtype), attn.to(value.dtype)
+                note = ("locations and weights in value's dtype, as a half-precision model passes them: checked "
+                        "against a reference on those inputs")
+            impl = Impl(name, lambda op=op, l=op_loc, a=op_attn: op(value, host_shapes, host_starts, l, a), None,
+                        value.dtype, poisonable=False, note=note)
+            if half:
+                impl.reference_inputs = (op_loc.float(), op_attn.float())
             bound.append(impl)
         elif name == "grid_sample":
             per_level = shape.N * shape.M * shape.D * shape.Lq * shape.P * 4

@@ -82,8 +82,8 @@ def configurations() -> list:
                 configs += launch_rules.launch_variants(cfg)
     # compare.py --presets models (fp16 value; cute with fp32 locations, cute-half with fp16 ones): the model shapes
     # beyond the presets.
+    models = tune.shapes_of(list(compare.MODEL_PRESETS))
     for loc_dt in (torch.float32, torch.float16):
-        models = tune.shapes_of(list(compare.MODEL_PRESETS))
         for cfg in sorted(tune.configs_of(models, [{}], torch.float16, loc_dt), key=repr):
             configs += launch_rules.launch_variants(cfg)
     # compare.py --D 48 / 96 / 256 (fp16 value, fp32 locations): the head dims timed against classic.

@@ -814,9 +814,10 @@ def test_ring_rows_apart_spread_over_the_banks():
 def test_half_weights_of_a_short_head_row_come_in_a_box_over_the_heads(ptx_of):
     """A head's row of half-precision weights at 12 or 4 points (24 or 8 bytes) cannot be a TMA stride, so the
     input rings took them only in fp32, and fp16 Mask2Former, BEV and RT-DETR shapes fell back to six groups that
-    read their inputs themselves (17-32% slower, H100, docs/performance.md session 57). A box over the heads' rows
-    of the tile's queries, at the head's first weight, loads them: its rows are padded to 16 bytes. It needs the
-    heads' rows of a query to be a multiple of 16 bytes, and tensor boxes (not the order table's bulk copies)."""
+    read their inputs themselves (6-32% slower than with fp32 inputs, H100, docs/performance.md session 57). A box
+    over the heads' rows of the tile's queries, from the 16-byte boundary at or before the head's row, loads them:
+    its rows are padded for that shift and to 16 bytes. It needs the heads' rows of a query to be a multiple of 16
+    bytes, and tensor boxes (not the order table's bulk copies)."""
     mask2former = tiled("float16", "float16", "float16", 8, 3, 4, 32)
     bev = tiled("bfloat16", "bfloat16", "bfloat16", 8, 1, 4, 32)
     for cfg, loc_row, attn_row in ((mask2former, 24, 16), (bev, 8, 8)):

@@ -31,6 +31,11 @@ def round_up(x: int, k: int) -> int:
     return ceil_div(x, k) * k
 
 
+def tma_step(itemsize: int) -> int:
+    """Elements in 16 bytes: what a TMA box's rows are multiples of, and where its first coordinate must lie."""
+    return 16 // itemsize
+
+
 def staged_pixels(pixels):
     """The pixel rows a level of `pixels` pixels takes in the staging buffer: whole boxes of STAGE_BOX_PIXELS."""
     return round_up(pixels, STAGE_BOX_PIXELS)
@@ -300,13 +305,13 @@ class KernelConfig(ProblemConfig):
         if self.rows_apart:
             readers = self.threads_per_query if self.splits_setup else 1
             elems += round_up(per_point * size * readers, 16) // size
-        if per_query * size % 16:
+        step = tma_step(size)
+        if per_query % step:
             # A head's row that is not a multiple of 16 bytes comes in a box over the heads' rows (kernel.input_atom),
             # which starts at the 16-byte boundary before it: the row lies up to 16 bytes less one step of
-            # gcd(per_query, 16 / size) elements into the box, and the box's rows are multiples of 16 bytes.
-            step = 16 // size
+            # gcd(per_query, step) elements into the box, and the box's rows are multiples of 16 bytes.
             elems += step - math.gcd(per_query, step)
-        return round_up(elems * size, 16) // size
+        return round_up(elems, step)
 
     @property
     def loc_row_elems(self) -> int:

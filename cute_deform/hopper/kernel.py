@@ -38,7 +38,7 @@ except Exception:
 
 from . import pipeline
 from .config import (CONSUMER_WARPS, STAGE_BOX_PIXELS, TENSORMAP_BYTES, KernelConfig, ceil_div, stage_levels,
-                     staged_pixels)
+                     staged_pixels, tma_step)
 from .inputs import QueryInputs, checked_level, load_row, row_pointer
 from .sampling import Bilinear, global_corners, share, staged_corners
 from .tile_scheduler import TileScheduler, strip_plan
@@ -82,15 +82,20 @@ def input_layout(box, swizzled: bool):
 
 def padded_rows(per_query: int, dtype) -> bool:
     """Whether a head's row of an input is not a multiple of 16 bytes (config.KernelConfig._row_elems pads it)."""
-    return per_query * (dtype.width // 8) % 16 != 0
+    return per_query % tma_step(dtype.width // 8) != 0
+
+
+def head_row_shift(per_query: int, dtype, m):
+    """Where head m's row lies in input_atom's box over the heads' rows, which starts at the 16-byte boundary at or
+    before it: elements past that boundary."""
+    return (m * per_query) % tma_step(dtype.width // 8)
 
 
 def head_rows(stage: cute.Tensor, per_query: int, m):
-    """A ring stage as the consumers read it: where input_atom's box over the heads' rows started at a 16-byte
-    boundary before head m's row, the stage from where that row begins (load_rows)."""
+    """A ring stage as the consumers read it: with input_atom's box over the heads' rows, from where head m's row
+    begins (load_rows)."""
     if cutlass.const_expr(padded_rows(per_query, stage.element_type)):
-        step = 16 * 8 // stage.element_type.width
-        return cute.make_tensor(stage.iterator + (m * per_query) % step, stage.layout)
+        return cute.make_tensor(stage.iterator + head_row_shift(per_query, stage.element_type, m), stage.layout)
     return stage
 
 
@@ -609,9 +614,8 @@ class MSDAForward:
     def load_rows(self, atom, tma, stage, per_query: int, row_elems: int, full, n, m, block, swizzled: bool = False):
         if cutlass.const_expr(padded_rows(per_query, stage.element_type)):  # input_atom's heads-together view
             box = (row_elems, self.G, 1)
-            step = 16 * 8 // stage.element_type.width
-            first = m * per_query
-            src = cute.local_tile(cute.domain_offset((first - first % step, 0, 0), tma), box, (0, block, n))
+            start = m * per_query - head_row_shift(per_query, stage.element_type, m)
+            src = cute.local_tile(cute.domain_offset((start, 0, 0), tma), box, (0, block, n))
             dst = cute.make_tensor(stage.iterator, cute.make_layout(box))
             modes = 3
         else:
