@@ -21,6 +21,14 @@ def fp32_reference(*args):
     return ms_deform_attn_reference(*args, compute_dtype=torch.float32, out_dtype=torch.float64)
 
 
+def assert_float64_or_fp32_rule(out, ref, ref_fp32, context):
+    """out within 1e-5 of the float64 reference ref; or, only where an ulp decides whether a sample is in and the fp32
+    rule (ref_fp32) decides it as the op does, within 1e-5 of that rule: with few samples the float64 output can be
+    one corner of weight ~1e-8 that fp32 skips (norm ~1e-7), and the error relative to it is then 1."""
+    if rel_err(out, ref) >= 1e-5:
+        assert (out.double() - ref_fp32).norm() <= 1e-5 * max(ref.norm(), ref_fp32.norm()), context
+
+
 def random_sizes(gen):
     def pick(low, high):
         return int(torch.randint(low, high + 1, (1,), generator=gen))
@@ -52,10 +60,7 @@ def test_special_locations_match_the_reference(gen, case):
     magnitude = ms_deform_attn_reference(args[0].abs(), *args[1:]).norm() / ref.norm()
     slack = max(1e-7, 16 * 2.0**-24 * float(magnitude))
     assert err <= 1.5 * err_fp32 + slack, (levels, sizes, err, err_fp32, slack)
-    if err >= 1e-5:
-        # Only where an ulp decides whether a sample is in, and the fp32 rule decides it as the op does: with
-        # few samples the float64 output can be one corner of weight ~1e-8 that fp32 skips (norm ~1e-7).
-        assert (out.double() - ref_fp32).norm() <= 1e-5 * max(ref.norm(), ref_fp32.norm()), (levels, sizes, err)
+    assert_float64_or_fp32_rule(out, ref, ref_fp32, (levels, sizes, err))
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -75,9 +80,11 @@ def test_realistic_level_sizes(gen, value_dtype):
 
 
 def _scatter(gen, t, values):
+    """t with `values` at random places (the first ones only where t has fewer elements: one query, head, level)."""
     t = t.clone()
     flat = t.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: len(values)]] = torch.tensor(values, dtype=t.dtype)
+    places = torch.randperm(flat.numel(), generator=gen)[: len(values)]
+    flat[places] = torch.tensor(values[: len(places)], dtype=t.dtype)
     return t
 
 
@@ -85,8 +92,8 @@ def _scatter(gen, t, values):
 def test_non_finite_weights_values_and_locations(gen, case):
     """NaN and inf attention weights on samples inside and outside their level, NaN and inf in value,
     special locations: NaN and inf outputs exactly where the reference rule (in fp32) has them, with
-    the same signs, and the finite outputs within the fp32 tolerance of the float64 reference. These
-    rows take the kernel's exact fallback."""
+    the same signs, and the finite outputs within the fp32 tolerance of the float64 reference (or, where an ulp
+    decides a sample on a skip border, of the fp32 rule). These rows take the kernel's exact fallback."""
     levels, sizes = random_sizes(gen)
     args = list(make_inputs(gen, levels, dtype=torch.float32, **sizes))
     args[3] = sprinkle_special_locations(gen, args[3], levels, fraction=0.5)
@@ -101,7 +108,7 @@ def test_non_finite_weights_values_and_locations(gen, case):
     ref = ms_deform_attn_reference(*args)
     finite = torch.isfinite(expected) & torch.isfinite(ref)
     if finite.any() and ref[finite].norm() > 0:
-        assert rel_err(out[finite], ref[finite]) < 1e-5
+        assert_float64_or_fp32_rule(out[finite], ref[finite], expected[finite], (levels, sizes))
 
 
 @pytest.mark.parametrize("value_dtype", [torch.float32, torch.float16])
