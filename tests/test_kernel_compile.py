@@ -69,7 +69,7 @@ VARIANTS = [
     # ... and in single CTAs (decoder-b16's launch).
     ("early-inputs-single-cta", tiled("float16", "float32", "float32", 8, 4, 4, 32, cluster_size=1, l1_first=True,
                                       producers=1, gather_batch=4, finest_evict_first=True, early_inputs=True,
-                                      l1_first_tile=True)),
+                                      l1_first_tile=True, launch_bound=True)),
     ("gather-batch-3-no-split", tiled("bfloat16", "float32", "float32", 8, 4, 8, 32, split_setup=False,
                                       gather_batch=3)),
     # 8-byte vectors: the launch of CTA pairs over whole segments (detr-decoder), and a single-CTA bf16 D=64.
@@ -427,8 +427,8 @@ def test_precompile_covers_the_variants_the_launch_may_pick():
                                             **whole),
                         dataclasses.replace(cfg, vector_bytes=8, prefetch_levels=True, output_evict_first=True,
                                             interleave_ranks=True, **whole),
-                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole),
-                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, **whole,
+                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, launch_bound=True, **whole),
+                        dataclasses.replace(cfg, cluster_size=1, l1_first_tile=True, launch_bound=True, **whole,
                                             stage_bytes=launch_rules.WIDE_STAGE_BYTES),  # ... a level more staged
                         dataclasses.replace(cfg, cluster_size=1, **launch_rules.SHORT_RANGES, coarse_evict_last=True,
                                             segment_cost=4),
@@ -503,7 +503,8 @@ def launch_of(cfg, N, Lq, S, reorder="auto", fixed=frozenset(), window=None):
                                             early_inputs=True, vector_bytes=8, prefetch_levels=True,
                                             output_evict_first=True, interleave_ranks=True)),
     ("decoder-b16", 16, 300, 22223, 4, dict(cluster_size=1, l1_first=True, producers=1, gather_batch=4,
-                                            finest_evict_first=True, early_inputs=True, l1_first_tile=True)),
+                                            finest_evict_first=True, early_inputs=True, l1_first_tile=True,
+                                            launch_bound=True)),
     # a large batch: the order table (two samples' loads at once, whole-line L2 fetches), CTA pairs, rounds of
     # about a segment a range
     ("seed-b48", 48, 15422, 19560, 8, dict(permuted=True, gather_batch=2, line_prefetch=True, half_sums=8)),
@@ -721,6 +722,22 @@ def test_whole_segments_go_to_single_ctas_only_one_segment_each():
         changes, grid, schedule = launch_of(cfg, N, Lq, 22223)
         assert schedule.whole and (changes.get("cluster_size") == 1) == single, (N, Lq)
     assert "cluster_size" not in launch_of(cfg, 16, 300, 22223, fixed={"cluster_size"})[0]
+
+
+def test_single_ctas_over_one_segment_name_their_ctas_an_sm_to_ptxas(ptx_of):
+    """Single CTAs over one whole segment each (decoder-b16) take the launch bound, fp16/bf16 unfused, unless the
+    caller fixed it; CTA pairs (detr-decoder), the order table (seed-b48) and fp32 value do not. Its kernel's PTX names
+    one CTA an SM (.minnctapersm 1, what ctas_per_sm plans), and the other variants' name none."""
+    for value in ("float16", "bfloat16"):
+        cfg = tiled(value, "float32", "float32", 8, 4, 4, 32)
+        assert launch_of(cfg, 16, 300, 22223)[0]["launch_bound"]
+        assert "launch_bound" not in launch_of(cfg, 16, 300, 22223, fixed={"launch_bound"})[0]
+        assert "launch_bound" not in launch_of(cfg, 8, 900, 22223)[0]
+    assert "launch_bound" not in launch_of(tiled("float32", "float32", "float32", 8, 4, 4, 32), 16, 300, 22223)[0]
+    assert "launch_bound" not in launch_of(tiled("float16", "float32", "float32", 8, 4, 8, 32), 48, 15422, 19560)[0]
+    bounded = [name for name, _ in VARIANTS if re.search(r"^\s*\.minnctapersm\s+1\s*$", ptx_of[name], re.M)]
+    assert bounded == [name for name, cfg in VARIANTS if getattr(cfg, "launch_bound", False)] == [
+        "early-inputs-single-cta"]
 
 
 @pytest.mark.parametrize("value", ["float16", "bfloat16"])

@@ -179,6 +179,10 @@ class KernelConfig(ProblemConfig):
     # then shared between the CTAs, not left all on the first. A launch rule (launch_rules.choose_launch, which has
     # the measurements).
     interleave_ranks: bool = False
+    # The kernel's launch bound names the CTAs an SM the host plans (ctas_per_sm: PTX .minnctapersm), so ptxas may
+    # spend the registers that leaves on loads issued earlier (decoder-b16: 80 registers against 59). A launch rule
+    # (launch_rules.choose_launch, which has the measurements).
+    launch_bound: bool = False
 
     def __post_init__(self):
         if not 1 <= self.gather_batch <= MAX_POINTS:

@@ -253,6 +253,7 @@ class MSDAForward:
             block=[self.threads, 1, 1],
             cluster=[self.cluster, 1, 1],
             smem=SharedStorage.size_in_bytes(),
+            min_blocks_per_mp=self.cfg.ctas_per_sm if self.cfg.launch_bound else 0,
             stream=stream,
         )
 

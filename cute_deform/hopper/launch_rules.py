@@ -112,7 +112,7 @@ def launch_variants(cfg) -> list:
     """The configurations a launch with cfg may run (_launch): the tiled kernel switches to the L1-first
     gather order, one producer warp, batched gathers, finest_evict_first and early_inputs where ranges are
     whole segments (CTA pairs over one segment each also 8-byte vectors, output_evict_first, interleave_ranks and
-    prefetch_levels; single CTAs over one each also WIDE_STAGE_BYTES of staging),
+    prefetch_levels; single CTAs over one each also the launch bound and WIDE_STAGE_BYTES of staging),
     to single CTAs with one producer warp (_single_cta's groups and setup, line_prefetch, and
     output_evict_first at up to 16 samples a query, fused or not, staged_addresses where _staged_addresses_measured,
     stagger_locations and doubled_coarsest (with its staging buffer) where _stagger_taken (for fp16 also
@@ -146,6 +146,8 @@ def launch_variants(cfg) -> list:
         if cfg.cluster_size > 1:  # whole segments in single CTAs (their first tiles L1-first where groups alternate)
             single = dataclasses.replace(cfg, cluster_size=1, **whole)
             single = dataclasses.replace(single, l1_first_tile=True) if single.alternates else single
+            if _hints_measured(cfg, cfg.permuted):  # ... with the launch bound
+                single = dataclasses.replace(single, launch_bound=True)
             out.append(single)
             if _hints_measured(cfg, cfg.permuted) and cfg.stage_bytes < WIDE_STAGE_BYTES:  # ... with a wider staging
                 out.append(dataclasses.replace(single, stage_bytes=WIDE_STAGE_BYTES))
@@ -489,6 +491,14 @@ def choose_launch(cfg, N: int, Lq: int, S: int, sms: int, l2_bytes: int, window,
             # 53.3 / 53.8 / 53.5 -> 52.5 / 52.4 / 52.7 us. Lost on CTA pairs over whole segments (detr-decoder
             # 57.0 / 57.0 / 57.5 -> 58.0 / 58.1 / 57.6) and on the encoders (125.6-126.0 -> 128.7-129.7).
             changes["l1_first_tile"] = True
+        if _hints_measured(cfg, permuted) and "launch_bound" not in fixed:
+            # ... with the launch bound: ptxas, told of one CTA an SM, issues the gathers' loads earlier (decoder-b16
+            # 59 -> 80 registers, about 67 instructions from a load to its first use against 26). tune.py, two runs in
+            # opposite orders, H200 (session 58, kernels of the DSL's CUDA 12 libraries), µs: decoder-b16 43.3 / 43.2
+            # -> 41.3 / 41.9, rtdetr-decoder 30.7 / 30.6 -> 29.4 / 30.1. Lost on the order table's launch (seed-b48
+            # 3279 / 3280 -> 3406 / 3410) and on one round of short ranges (rtdetr-decoder-b4 14.5 / 14.4 -> 15.0 /
+            # 14.9); tied on CTA pairs (detr-decoder 45.3 / 45.9 -> 45.4 / 45.3) and on the encoders.
+            changes["launch_bound"] = True
         if levels is not None and _hints_measured(cfg, permuted) and "stage_bytes" not in fixed:
             # ... with a staging buffer of WIDE_STAGE_BYTES where that stages one more whole level (RT-DETR's 40x40
             # beside its 20x20: the level is nearly all read, and staged it is one stream of boxes, not scattered
